@@ -1,0 +1,256 @@
+"""Detect this machine's capabilities: GPUs through NVML, the rest through psutil.
+
+The only module of the layer that does I/O. NVML and psutil are injectable so
+tests run the real code against `celery_ojs_ml.testing.fake_nvml.FakeNVML`.
+Key decisions:
+
+* No driver, no library, no devices or an NVML failure all give a clean
+  CPU-only result; probing never raises.
+* Sizes are GiB (bytes / 1024**3) floored to 0.1, so the worker never claims
+  more than it has. The exception is the VRAM of a well-known GPU, which snaps
+  to the nearest §3.2 catalogue variant within 10%: the catalogue speaks in
+  marketing GB (an "80 GB" H100 reports 79.6 GiB, a "16 GB" T4 15.0 GiB, a
+  "24 GB" L4 22.5 GiB), and a job sized by the catalogue must still match.
+* Mixed GPUs: the advertised `gpu` describes the most common type only (ties:
+  the type of the lowest index), with count, VRAM and compute capability of that
+  group, so the worker never promises a job N GPUs of a type it has fewer of.
+  `labels["gpu_heterogeneous"] = "true"` and `labels["gpu_types"]` record the
+  mix; `probe_devices()` lists every device for the allocator.
+* Interconnect is `nvlink` when any device of the group has an active NVLink
+  link, `pcie` otherwise; it is left unset for a single GPU (§3.2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ojs_ml.capabilities.model import Capabilities, GpuCapability
+from celery_ojs_ml.spec.catalogue import GPU_MODELS, gpu_model
+
+GIB = 1024**3
+
+#: How far below or above a catalogue VRAM variant a reading may be and still snap to it.
+VRAM_SNAP = 0.10
+
+_BRAND_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
+_PACKAGING = re.compile(r"^(\d+gb|sxm\d*|pcie|hbm\d*e?|nvl|mig.*)$")
+
+
+class _NeverRaised(Exception):
+    """Stands in for NVMLError when the injected module has none."""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """One GPU as NVML reports it, for the allocator's device pinning."""
+
+    index: int
+    name: str
+    uuid: str | None
+    gpu_type: str
+    memory_gb: float
+    compute_capability: str | None
+    nvlink: bool
+
+
+def gib_floor(n_bytes: float) -> float:
+    """Bytes as GiB, floored to one decimal so the value never overclaims."""
+    return math.floor(n_bytes / GIB * 10) / 10
+
+
+def gpu_type_from_name(name: str) -> str:
+    """The §3.2 id for an NVML marketing name (`Tesla T4` -> `nvidia-t4`).
+
+    Names outside the catalogue become `nvidia-<model words>` without brand and
+    packaging words: `NVIDIA GeForce RTX 4090` -> `nvidia-rtx-4090`.
+    """
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    for word in words:
+        if f"nvidia-{word}" in GPU_MODELS:
+            return f"nvidia-{word}"
+    model = [w for w in words if w not in _BRAND_WORDS and not _PACKAGING.match(w)]
+    return "nvidia-" + "-".join(model or ["unknown"])
+
+
+def vram_gb(gpu_type: str, n_bytes: float) -> float:
+    """VRAM of one device: the nearest catalogue variant within 10%, else floored GiB."""
+    reading = n_bytes / GIB
+    row = gpu_model(gpu_type)
+    if row is not None:
+        nearest = min(row.memory_gb, key=lambda v: abs(reading - v))
+        if abs(reading - nearest) <= nearest * VRAM_SNAP:
+            return float(nearest)
+    return gib_floor(n_bytes)
+
+
+def probe_devices(nvml: Any | None = None) -> list[GpuDevice]:
+    """Every GPU NVML can see, in index order; [] when there is none or no NVML."""
+    module = _load_nvml(nvml)
+    if module is None:
+        return []
+    errors = _nvml_errors(module)
+    try:
+        module.nvmlInit()
+    except errors:
+        return []
+    try:
+        return _read_devices(module, errors)
+    except errors:
+        return []
+    finally:
+        _shutdown(module, errors)
+
+
+def probe(
+    *,
+    nvml: Any | None = None,
+    psutil_mod: Any | None = None,
+    shm_path: str = "/dev/shm",
+    disk_path: str = "/",
+) -> Capabilities:
+    """This machine's capabilities; CPU-only (never an exception) without GPUs."""
+    devices = probe_devices(nvml)
+    gpu, labels = summarise_gpus(devices)
+    host = _host(psutil_mod, shm_path, disk_path)
+    return Capabilities.model_validate({"gpu": gpu, "labels": labels, **host})
+
+
+def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict[str, str]]:
+    """The advertised `gpu` object and mix labels for a list of devices."""
+    if not devices:
+        return None, {}
+    counts = Counter(d.gpu_type for d in devices)
+    top = max(counts.values())
+    gpu_type = next(d.gpu_type for d in devices if counts[d.gpu_type] == top)
+    group = [d for d in devices if d.gpu_type == gpu_type]
+    labels = {}
+    if len(counts) > 1:
+        labels = {"gpu_heterogeneous": "true", "gpu_types": ",".join(sorted(counts))}
+    return _gpu_of(gpu_type, group), labels
+
+
+def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
+    ccs = [d.compute_capability for d in group if d.compute_capability]
+    complete = len(ccs) == len(group)
+    interconnect = None
+    if len(group) > 1:
+        interconnect = "nvlink" if any(d.nvlink for d in group) else "pcie"
+    return GpuCapability.model_validate(
+        {
+            "type": gpu_type,
+            "count": len(group),
+            "memory_gb": min(d.memory_gb for d in group),
+            "compute_capability": _lowest_cc(ccs) if complete else None,
+            "interconnect": interconnect,
+        }
+    )
+
+
+def _lowest_cc(ccs: list[str]) -> str:
+    return min(ccs, key=lambda cc: tuple(int(p) for p in cc.split(".")))
+
+
+def _load_nvml(nvml: Any | None) -> Any | None:
+    if nvml is not None:
+        return nvml
+    try:
+        import pynvml
+    except (ImportError, OSError):
+        return None
+    return pynvml
+
+
+def _nvml_errors(module: Any) -> tuple[type[BaseException], ...]:
+    nvml_error = getattr(module, "NVMLError", _NeverRaised)
+    return (nvml_error, ImportError, OSError)
+
+
+def _shutdown(module: Any, errors: tuple[type[BaseException], ...]) -> None:
+    with contextlib.suppress(*errors):
+        module.nvmlShutdown()
+
+
+def _read_devices(module: Any, errors: tuple[type[BaseException], ...]) -> list[GpuDevice]:
+    devices = []
+    for index in range(module.nvmlDeviceGetCount()):
+        try:
+            devices.append(_read_device(module, index, errors))
+        except errors:
+            continue
+    return devices
+
+
+def _read_device(module: Any, index: int, errors: tuple[type[BaseException], ...]) -> GpuDevice:
+    handle = module.nvmlDeviceGetHandleByIndex(index)
+    name = _text(module.nvmlDeviceGetName(handle))
+    gpu_type = gpu_type_from_name(name)
+    total = module.nvmlDeviceGetMemoryInfo(handle).total
+    return GpuDevice(
+        index=index,
+        name=name,
+        uuid=_optional(lambda: _text(module.nvmlDeviceGetUUID(handle)), errors),
+        gpu_type=gpu_type,
+        memory_gb=vram_gb(gpu_type, total),
+        compute_capability=_optional(lambda: _cc(module, handle), errors),
+        nvlink=_has_nvlink(module, handle, errors),
+    )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _cc(module: Any, handle: Any) -> str:
+    major, minor = module.nvmlDeviceGetCudaComputeCapability(handle)
+    return f"{major}.{minor}"
+
+
+def _optional(read: Any, errors: tuple[type[BaseException], ...]) -> Any:
+    try:
+        return read()
+    except errors:
+        return None
+
+
+def _has_nvlink(module: Any, handle: Any, errors: tuple[type[BaseException], ...]) -> bool:
+    enabled = getattr(module, "NVML_FEATURE_ENABLED", 1)
+    for link in range(getattr(module, "NVML_NVLINK_MAX_LINKS", 0)):
+        try:
+            if module.nvmlDeviceGetNvLinkState(handle, link) == enabled:
+                return True
+        except errors:
+            continue
+    return False
+
+
+def _host(psutil_mod: Any | None, shm_path: str, disk_path: str) -> dict[str, Any]:
+    """CPU cores, host memory, free scratch disk and /dev/shm size."""
+    ps = psutil_mod if psutil_mod is not None else _import_psutil()
+    if ps is None:
+        return {}
+    return {
+        "cpu_cores": ps.cpu_count(logical=True) or None,
+        "memory_gb": gib_floor(ps.virtual_memory().total),
+        "storage_gb": _disk(ps, disk_path, "free"),
+        "shm_size_gb": _disk(ps, shm_path, "total"),
+    }
+
+
+def _import_psutil() -> Any | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil
+
+
+def _disk(ps: Any, path: str, attribute: str) -> float | None:
+    try:
+        return gib_floor(getattr(ps.disk_usage(path), attribute))
+    except OSError:
+        return None

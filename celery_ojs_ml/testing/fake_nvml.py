@@ -1,0 +1,119 @@
+"""A fake of the pynvml functions the capability probe calls.
+
+Lets the real probe run on a machine without a GPU or driver. Devices are
+plain values; the presets carry the memory totals real boards report (an
+"80 GB" H100 reports 81559 MiB), so tests exercise the VRAM snapping on the
+numbers production sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+MIB = 1024**2
+
+
+class NVMLError(Exception):
+    """The fake's stand-in for `pynvml.NVMLError`."""
+
+
+@dataclass(frozen=True, slots=True)
+class FakeGpu:
+    """One simulated device: marketing name, memory in bytes, cc, active NVLink links."""
+
+    name: str
+    memory_bytes: int
+    cc: tuple[int, int]
+    nvlink_links: int = 0
+    uuid: str | None = None
+
+
+A100_80GB = FakeGpu("NVIDIA A100-SXM4-80GB", 81920 * MIB, (8, 0), nvlink_links=12)
+A100_40GB = FakeGpu("NVIDIA A100-PCIE-40GB", 40960 * MIB, (8, 0))
+H100_80GB = FakeGpu("NVIDIA H100 80GB HBM3", 81559 * MIB, (9, 0), nvlink_links=18)
+T4 = FakeGpu("Tesla T4", 15360 * MIB, (7, 5))
+L4 = FakeGpu("NVIDIA L4", 23034 * MIB, (8, 9))
+A10G = FakeGpu("NVIDIA A10G", 23028 * MIB, (8, 6))
+RTX_4090 = FakeGpu("NVIDIA GeForce RTX 4090", 24564 * MIB, (8, 9))
+
+
+class FakeNVML:
+    """Stands in for the `pynvml` module; pass it as `probe(nvml=...)`.
+
+    `driver=False` makes `nvmlInit` raise `NVMLError` as on a machine without
+    the NVIDIA driver; `init_error` raises any other exception type instead.
+    """
+
+    NVMLError = NVMLError
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_DISABLED = 0
+    NVML_FEATURE_ENABLED = 1
+
+    def __init__(
+        self,
+        devices: Sequence[FakeGpu] = (),
+        *,
+        driver: bool = True,
+        init_error: type[BaseException] | None = None,
+    ) -> None:
+        self.devices = list(devices)
+        self.driver = driver
+        self.init_error = init_error
+        self.initialised = False
+        self.shutdown_calls = 0
+
+    @classmethod
+    def of(cls, gpu: FakeGpu, count: int) -> FakeNVML:
+        """`count` identical devices; each gets a distinct uuid."""
+        return cls([_with_uuid(gpu, i) for i in range(count)])
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise self.init_error("simulated NVML load failure")
+        if not self.driver:
+            raise NVMLError("NVML Shared Library Not Found")
+        self.initialised = True
+
+    def nvmlShutdown(self) -> None:
+        self._require_init()
+        self.initialised = False
+        self.shutdown_calls += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._require_init()
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        self._require_init()
+        if not 0 <= index < len(self.devices):
+            raise NVMLError("Invalid Argument")
+        return self.devices[index]
+
+    def nvmlDeviceGetName(self, handle: FakeGpu) -> str:
+        return handle.name
+
+    def nvmlDeviceGetUUID(self, handle: FakeGpu) -> str:
+        if handle.uuid is None:
+            raise NVMLError("Not Supported")
+        return handle.uuid
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeGpu) -> SimpleNamespace:
+        return SimpleNamespace(total=handle.memory_bytes, free=handle.memory_bytes, used=0)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: FakeGpu) -> tuple[int, int]:
+        return handle.cc
+
+    def nvmlDeviceGetNvLinkState(self, handle: FakeGpu, link: int) -> int:
+        if link >= handle.nvlink_links:
+            raise NVMLError("Not Supported")
+        return self.NVML_FEATURE_ENABLED
+
+    def _require_init(self) -> None:
+        if not self.initialised:
+            raise NVMLError("Uninitialized")
+
+
+def _with_uuid(gpu: FakeGpu, index: int) -> FakeGpu:
+    return FakeGpu(gpu.name, gpu.memory_bytes, gpu.cc, gpu.nvlink_links, f"GPU-fake-{index:04d}")
