@@ -105,24 +105,25 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def hint_for(field_path: str) -> Hint | None:
-    """The hint of a field path, falling back to its parents (`labels.x` -> `labels`)."""
+def hint_for(field_path: str) -> tuple[str, Hint] | None:
+    """The hint of a field path and its key, falling back to parents (`labels.x` -> `labels`)."""
     key = re.sub(r"\[\d+\]", "", field_path)
     while key:
         if key in HINTS:
-            return HINTS[key]
+            return key, HINTS[key]
         key = key.rpartition(".")[0]
     return None
 
 
-def fix_text(form: Form, field_path: str, hint: Hint | None) -> str:
+def fix_text(form: Form, field_path: str) -> str:
     """`set <allowed>, e.g. <example in the worker's own form>`."""
-    if hint is None:
+    found = hint_for(field_path)
+    if found is None:
         return "see the example documents in OJS ML §11"
+    key, hint = found
     if form.is_labels and hint.label_key:
         return f'set {hint.allowed}, e.g. "{hint.label_key}:{hint.example}"'
-    leaf = re.sub(r"\[\d+\]", "", field_path).rpartition(".")[2]
-    return f'set {hint.allowed}, e.g. "{leaf}": {json.dumps(hint.example)}'
+    return f'set {hint.allowed}, e.g. "{key.rpartition(".")[2]}": {json.dumps(hint.example)}'
 
 
 def locate(form: Form, field_path: str) -> Origin:
@@ -157,10 +158,8 @@ def _one(form: Form, loc: tuple[int | str, ...], kind: str, value: Any) -> Viola
         fix = _known_fields(field_path)
         return Violation(origin.path, "is not a known field", form.section, fix)
     problem = "is missing" if kind == "missing" else f"is {show(origin.text or value)}"
-    hint_field = origin.hint_field or field_path
-    return Violation(
-        origin.path, problem, form.section, fix_text(form, hint_field, hint_for(hint_field))
-    )
+    fix = fix_text(form, origin.hint_field or field_path)
+    return Violation(origin.path, problem, form.section, fix)
 
 
 def _known_fields(field_path: str) -> str:

@@ -15,6 +15,7 @@ One frozen pydantic model describes what a worker has. Key decisions:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
@@ -29,6 +30,10 @@ Interconnect = Literal["nvlink", "pcie"]
 CC_PATTERN = r"^\d+\.\d+$"
 TOPOLOGY_PATTERN = r"^\d+x\d+(x\d+)?$"
 GPU_TYPE_PATTERN = r"^[a-z0-9]+-[a-z0-9][a-z0-9.-]*$"
+
+#: How far a VRAM figure may stray from a §3.2 catalogue variant and still be that
+#: variant: probes snap readings within it, declarations may exceed the largest by it.
+VRAM_SNAP = 0.10
 
 
 def format_number(value: float) -> str:
@@ -69,6 +74,7 @@ def _labels(value: Any) -> Any:
 
 
 CCString = Annotated[str, BeforeValidator(_cc_from_number), Field(pattern=CC_PATTERN)]
+GpuType = Annotated[str, BeforeValidator(_lower), Field(pattern=GPU_TYPE_PATTERN)]
 Labels = Annotated[dict[str, str], BeforeValidator(_labels)]
 
 
@@ -87,7 +93,7 @@ class CapabilityModel(BaseModel):
 class GpuCapability(CapabilityModel):
     """The worker's GPUs (§11 `capabilities.gpu`); all devices share these values."""
 
-    type: Annotated[str | None, BeforeValidator(_lower), Field(pattern=GPU_TYPE_PATTERN)] = None
+    type: GpuType | None = None
     """§3.2 GPU type id such as `nvidia-a100`; lower-cased. None: unknown model."""
     count: int = Field(ge=0)
     """§11 number of GPU devices on the worker; 0 means none."""
@@ -131,12 +137,12 @@ class TpuCapability(CapabilityModel):
         if not isinstance(data, dict) or data.get("chip_count") is not None:
             return data
         topology = data.get("topology")
-        if isinstance(topology, str) and re.match(TOPOLOGY_PATTERN, topology.strip()):
-            chips = 1
-            for side in topology.strip().split("x"):
-                chips *= int(side)
-            return {**data, "chip_count": chips}
-        return data
+        if not isinstance(topology, str):
+            return data
+        if not re.match(TOPOLOGY_PATTERN, topology.strip()):
+            # Only the topology error is worth showing; 1 stands in and never escapes.
+            return {**data, "chip_count": 1}
+        return {**data, "chip_count": math.prod(int(s) for s in topology.strip().split("x"))}
 
 
 class LoadedModel(CapabilityModel):

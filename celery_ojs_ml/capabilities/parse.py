@@ -32,7 +32,7 @@ from celery_ojs_ml.capabilities._violations import (
     rule_violation,
     show,
 )
-from celery_ojs_ml.capabilities.model import Capabilities, format_number
+from celery_ojs_ml.capabilities.model import VRAM_SNAP, Capabilities, format_number
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.spec.catalogue import gpu_model
 
@@ -55,9 +55,6 @@ LABEL_FIELDS: dict[str, str] = {
     "storage_gb": "storage_gb",
     "shm_size_gb": "shm_size_gb",
 }
-
-#: Slack allowed above the largest catalogue VRAM variant (probes snap within it).
-VRAM_TOLERANCE = 0.10
 
 
 def parse_capabilities(doc: Any, *, worker_id: str | None = None) -> Capabilities:
@@ -269,7 +266,7 @@ def _catalogue_violations(c: Capabilities, form: Form) -> list[Violation]:
         fix = f'leave it out or set it, e.g. "compute_capability": "{row.compute_capability}"'
         out.append(rule_violation(form, "gpu.compute_capability", problem, fix, "OJS ML §3.2"))
     memory = c.gpu.memory_gb
-    if memory and memory > row.max_memory_gb * (1 + VRAM_TOLERANCE):
+    if memory and memory > row.max_memory_gb * (1 + VRAM_SNAP):
         most = format_number(row.max_memory_gb)
         problem = f"is {format_number(memory)} but {row.id} has at most {most} GB"
         fix = f'declare the VRAM of one device, e.g. "memory_gb": {most}'

@@ -26,16 +26,15 @@ import contextlib
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from celery_ojs_ml.capabilities.model import Capabilities, GpuCapability
+from celery_ojs_ml.capabilities.model import VRAM_SNAP, Capabilities, GpuCapability
 from celery_ojs_ml.spec.catalogue import GPU_MODELS, gpu_model
 
 GIB = 1024**3
-
-#: How far below or above a catalogue VRAM variant a reading may be and still snap to it.
-VRAM_SNAP = 0.10
+T = TypeVar("T")
 
 _BRAND_WORDS = frozenset({"nvidia", "tesla", "geforce", "quadro"})
 _PACKAGING = re.compile(r"^(\d+gb|sxm\d*|pcie|hbm\d*e?|nvl|mig.*)$")
@@ -210,7 +209,7 @@ def _cc(module: Any, handle: Any) -> str:
     return f"{major}.{minor}"
 
 
-def _optional(read: Any, errors: tuple[type[BaseException], ...]) -> Any:
+def _optional(read: Callable[[], T], errors: tuple[type[BaseException], ...]) -> T | None:
     try:
         return read()
     except errors:

@@ -35,7 +35,12 @@ class Reason:
     available: Any
     capacity: Any
     verdict: Verdict
-    message: str
+    template: str
+
+    @property
+    def message(self) -> str:
+        """The reason as users read it, e.g. `gpu_memory_gb 40 < 80` (formatted lazily)."""
+        return self.template.format(a=fmt(self.available), r=fmt(self.requested))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form used by the CLI, events and the store."""
@@ -65,6 +70,8 @@ Filter = Callable[[MLRequirements, Capabilities, FreeCapacity | None], Iterator[
 
 def fmt(value: Any) -> str:
     """A number or value as users see it: 80 not 80.0."""
+    if value is None:
+        return "unknown"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if isinstance(value, list | tuple | frozenset | set):
@@ -72,8 +79,13 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
-def _never(resource: str, requested: Any, capacity: Any, message: str) -> Reason:
-    return Reason(resource, requested, capacity, capacity, Verdict.NEVER, message)
+def _never(resource: str, requested: Any, capacity: Any, template: str) -> Reason:
+    return Reason(resource, requested, capacity, capacity, Verdict.NEVER, template)
+
+
+def _lit(text: str) -> str:
+    """Escape a pre-formatted message so the lazy formatter leaves it alone."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def _counted(
@@ -84,12 +96,12 @@ def _counted(
         return
     total = capacity or 0
     if requested > total:
-        msg = f"{resource} {fmt(total)} < {fmt(requested)}"
+        msg = resource + " {a} < {r}"
         yield Reason(
             resource, requested, free if free is not None else total, total, Verdict.NEVER, msg
         )
     elif free is not None and requested > free:
-        msg = f"{resource} free {fmt(free)} < {fmt(requested)}"
+        msg = resource + " free {a} < {r}"
         yield Reason(resource, requested, free, total, Verdict.WAIT, msg)
 
 
@@ -99,11 +111,11 @@ def accelerator(
     """§3.1: a GPU or TPU job never goes to a worker without that accelerator."""
     want = req.ext_ml_accelerator
     if want == "gpu" and w.gpu_count == 0:
-        yield _never("accelerator", "gpu", w.accelerator, f"accelerator {w.accelerator} != gpu")
+        yield _never("accelerator", "gpu", w.accelerator, "accelerator {a} != {r}")
     elif want == "tpu" and w.tpu is None:
-        yield _never("accelerator", "tpu", w.accelerator, f"accelerator {w.accelerator} != tpu")
+        yield _never("accelerator", "tpu", w.accelerator, "accelerator {a} != {r}")
     elif want == "fpga" and w.accelerator != "fpga":
-        yield _never("accelerator", "fpga", w.accelerator, f"accelerator {w.accelerator} != fpga")
+        yield _never("accelerator", "fpga", w.accelerator, "accelerator {a} != {r}")
 
 
 def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iterator[Reason]:
@@ -117,13 +129,11 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             "gpu_type",
             req.ext_ml_gpu_type,
             g.type,
-            f"gpu_type {g.type} not in [{req.ext_ml_gpu_type}]",
+            "gpu_type {a} not in [{r}]",
         )
     mem = req.ext_ml_gpu_memory_gb
     if mem is not None and (g.memory_gb or 0) < mem:
-        yield _never(
-            "gpu_memory_gb", mem, g.memory_gb, f"gpu_memory_gb {fmt(g.memory_gb or 0)} < {fmt(mem)}"
-        )
+        yield _never("gpu_memory_gb", mem, g.memory_gb, "gpu_memory_gb {a} < {r}")
     cc = req.ext_ml_gpu_compute_capability
     if cc is not None and (
         g.compute_capability is None or cc_tuple(g.compute_capability) < cc_tuple(cc)
@@ -132,14 +142,14 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             "compute_capability",
             cc,
             g.compute_capability,
-            f"compute_capability {g.compute_capability or 'unknown'} < {cc}",
+            "compute_capability {a} < {r}",
         )
     if count > 1 and req.ext_ml_gpu_interconnect == "nvlink" and g.interconnect != "nvlink":
         yield _never(
             "gpu_interconnect",
             "nvlink",
             g.interconnect,
-            f"gpu_interconnect {g.interconnect or 'unknown'} != nvlink",
+            "gpu_interconnect {a} != {r}",
         )
     yield from _counted("gpu_count", count, w.gpu_count, free.gpus if free else None)
 
@@ -154,7 +164,7 @@ def tpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             "tpu_type",
             req.ext_ml_tpu_type,
             t.type,
-            f"tpu_type {t.type} not in [{req.ext_ml_tpu_type}]",
+            "tpu_type {a} not in [{r}]",
         )
     topo = req.ext_ml_tpu_topology
     if topo and not _slice_fits(topo, t.topology):
@@ -162,7 +172,7 @@ def tpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             "tpu_topology",
             topo,
             t.topology,
-            f"tpu_topology {t.topology or 'unknown'} cannot hold {topo}",
+            "tpu_topology {a} cannot hold {r}",
         )
     chips = req.ext_ml_tpu_chip_count
     yield from _counted("tpu_chip_count", chips, t.chip_count, free.tpu_chips if free else None)
@@ -188,7 +198,7 @@ def host(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Ite
         ("shm_size_gb", req.ext_ml_shm_size_gb, w.shm_size_gb),
     ):
         if want and (have or 0) < want:
-            yield _never(resource, want, have, f"{resource} {fmt(have or 0)} < {fmt(want)}")
+            yield _never(resource, want, have, resource + " {a} < {r}")
 
 
 def node_selector(
@@ -203,7 +213,7 @@ def node_selector(
                 f"label:{key}",
                 value,
                 have,
-                f"{key} {have if have is not None else '<unset>'} != {value}",
+                _lit(f"{key} {have if have is not None else '<unset>'} != {value}"),
             )
 
 
@@ -219,7 +229,9 @@ def affinity(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) ->
                 f"label:{rule.key}",
                 describe(rule),
                 have,
-                f"{rule.key} {have if have is not None else '<unset>'} fails {describe(rule)}",
+                _lit(
+                    f"{rule.key} {have if have is not None else '<unset>'} fails {describe(rule)}"
+                ),
             )
 
 
@@ -237,7 +249,7 @@ def anti_affinity(
                 f"anti:{rule.key}",
                 describe(rule),
                 labels.get(rule.key),
-                f"anti-affinity {describe(rule)} holds on the worker",
+                _lit(f"anti-affinity {describe(rule)} holds on the worker"),
             )
         elif any(rule.key in r and rule_holds(rule, r) for r in running):
             yield Reason(
@@ -246,7 +258,7 @@ def anti_affinity(
                 "running",
                 None,
                 Verdict.WAIT,
-                f"anti-affinity {describe(rule)} holds on a running job",
+                _lit(f"anti-affinity {describe(rule)} holds on a running job"),
             )
 
 
@@ -258,7 +270,7 @@ def model_version(
     if not (mid and ver) or w.model_registry_access:
         return
     if not any(m.model_id == mid and m.model_version == ver for m in w.models_loaded):
-        yield _never("model", f"{mid}@{ver}", None, f"model {mid}@{ver} not loaded")
+        yield _never("model", f"{mid}@{ver}", None, "model {r} not loaded")
 
 
 def reservation(
@@ -270,7 +282,9 @@ def reservation(
         return
     have = w.derived_labels().get("reservation_id")
     if have != rid:
-        yield _never("reservation_id", rid, have, f"reservation_id {have or '<unset>'} != {rid}")
+        yield _never(
+            "reservation_id", rid, have, _lit(f"reservation_id {have or '<unset>'} != {rid}")
+        )
 
 
 def describe(rule: AffinityRule) -> str:

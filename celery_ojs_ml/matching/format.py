@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from celery_ojs_ml.matching.filters import Verdict
 from celery_ojs_ml.matching.match import MatchResult
 
 
@@ -21,7 +20,9 @@ def pending_message(
     results = list(results)
     if not results:
         return f"0/0 {noun} eligible: no live {noun}"
-    eligible = sum(1 for r in results if r.verdict is Verdict.FITS)
+    # Eligible means what `MatchResult.eligible` means (FITS or WAIT), so the
+    # count agrees with `match --json`; WAIT workers still list their reasons.
+    eligible = sum(1 for r in results if r.eligible)
     # A worker counts once per distinct message, however many reasons repeat it.
     counts = Counter(msg for r in results for msg in dict.fromkeys(x.message for x in r.reasons))
     head = f"{eligible}/{len(results)} {noun} eligible"

@@ -54,8 +54,14 @@ DEFAULT_OPTIONS = ParseOptions()
 
 def split_attrs(doc: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The `ext_ml_*` and `ext_mlx_*` keys of a mapping."""
-    ml = {k: v for k, v in doc.items() if k.startswith("ext_ml_")}
-    mlx = {k: v for k, v in doc.items() if k.startswith("ext_mlx_")}
+    ml: dict[str, Any] = {}
+    mlx: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key.startswith("ext_ml"):
+            if key.startswith("ext_mlx_"):
+                mlx[key] = value
+            elif key.startswith("ext_ml_"):
+                ml[key] = value
     return ml, mlx
 
 

@@ -58,7 +58,7 @@ _URI_EXAMPLE = '"s3://bucket/models/v1.0/model.safetensors"'
 _RATIO_EXAMPLE = '{"train": 0.8, "validation": 0.1, "test": 0.1}'
 _BOUNDS_EXAMPLE = '{"min": 0.92}'
 _STEP_EXAMPLE = '{"type": "deduplicate", "config": {"columns": ["text"]}}'
-_LOCAL = 'e.g. "file:///data/models/v1.0/"'
+_LOCAL = 'use a local absolute path, e.g. "file:///data/models/v1.0/"'
 _NO_SECRETS = "remove it; workers authenticate with an IAM role or workload identity instead"
 
 
@@ -99,12 +99,9 @@ def _check_attribute(key: Any, value: Any, c: _Collector) -> Any:
     if isinstance(key, str) and key.startswith(PREFIX):
         c.warnings.append(_unknown_attribute_warning(key))
     else:
-        c.fail(
-            _show(key),
-            "is not an ext_mlx_* attribute",
-            "§8",
-            'pass only ext_mlx_* attributes here, e.g. "ext_mlx_model_name": "resnet50"',
-        )
+        fix = 'pass only ext_mlx_* attributes here, e.g. "ext_mlx_model_name": "resnet50"'
+        path = key if isinstance(key, str) else _show(key)
+        c.fail(path, "is not an ext_mlx_* attribute", "§8", fix)
     return value
 
 
@@ -133,16 +130,16 @@ def _show(value: Any, limit: int = 60) -> str:
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
-        text = repr(value)
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe(value: Any) -> str:
     """The JSON kind and a short rendering, e.g. `a string ("3")`."""
     kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
-    kinds |= {list: "an array", tuple: "an array", type(None): "null"}
+    kinds |= {list: "an array", tuple: "an array"}
     kind = "an object" if isinstance(value, Mapping) else kinds.get(type(value))
-    return f"{kind or type(value).__name__} ({_show(value)})"
+    return "null" if value is None else f"{kind or type(value).__name__} ({_show(value)})"
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -150,7 +147,8 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 
 def _is_number(value: Any) -> TypeGuard[float]:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # Python ints never overflow, and math.isfinite would raise on huge ones.
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _is_name(value: Any) -> TypeGuard[str]:
@@ -207,7 +205,7 @@ def _positive_int(section: str, example: int) -> Checker:
         if not _is_int(value):
             _wrong_type(c, path, value, "an integer", section, str(example))
         elif value < 1:
-            c.fail(path, f"is {value}, but must be at least 1", section, fix)
+            c.fail(path, f"is {_show(value)}, but must be at least 1", section, fix)
         return value
 
     return check
@@ -247,15 +245,21 @@ def _schema_problem(schema: dict[str, Any]) -> str | None:
     return None
 
 
-def _metrics(path: str, value: Any, c: _Collector) -> Any:
-    if not isinstance(value, list | tuple):
-        _wrong_type(c, path, value, "an array of metric names", "§5.4", '["accuracy", "f1"]')
-        return value
-    fix = 'name each metric with a non-empty string, e.g. "accuracy"'
-    for i, metric in enumerate(value):
-        if not _is_name(metric):
-            c.fail(f"{path}[{i}]", f"is {_describe(metric)}, not a metric name", "§5.4", fix)
-    return list(value)
+def _array_of(section: str, want: str, eg: str, item: Checker) -> Checker:
+    def check(path: str, value: Any, c: _Collector) -> Any:
+        if not isinstance(value, list | tuple):
+            _wrong_type(c, path, value, want, section, eg)
+            return value
+        return [item(f"{path}[{i}]", entry, c) for i, entry in enumerate(value)]
+
+    return check
+
+
+def _metric(path: str, metric: Any, c: _Collector) -> Any:
+    if not _is_name(metric):
+        fix = 'name each metric with a non-empty string, e.g. "accuracy"'
+        c.fail(path, f"is {_describe(metric)}, not a metric name", "§5.4", fix)
+    return metric
 
 
 def _thresholds(path: str, value: Any, c: _Collector) -> Any:
@@ -287,23 +291,14 @@ def _check_bounds(path: str, bounds: Any, c: _Collector) -> None:
     low, high = bounds.get("min"), bounds.get("max")
     if _is_number(low) and _is_number(high) and low > high:
         fix = 'make min <= max, e.g. {"min": 0.5, "max": 0.9}'
-        c.fail(path, f"has min {low} greater than max {high}", "§5.4", fix)
+        c.fail(path, f"has min {_show(low)} greater than max {_show(high)}", "§5.4", fix)
 
 
-def _transformations(path: str, value: Any, c: _Collector) -> Any:
-    if not isinstance(value, list | tuple):
-        _wrong_type(c, path, value, "an array of objects", "§5.3", f"[{_STEP_EXAMPLE}]")
-        return value
-    for i, step in enumerate(value):
-        _check_transformation(f"{path}[{i}]", step, c)
-    return list(value)
-
-
-def _check_transformation(path: str, step: Any, c: _Collector) -> None:
+def _transformation(path: str, step: Any, c: _Collector) -> Any:
     fix = f"e.g. {_STEP_EXAMPLE}"
     if not isinstance(step, Mapping):
         c.fail(path, f"is {_describe(step)}, not a transformation object", "§5.3", fix)
-        return
+        return step
     if not _is_name(step.get("type")):
         problem = f"is {_describe(step['type'])}" if "type" in step else "is missing"
         c.fail(f"{path}.type", f"{problem}; each transformation needs a type name", "§5.3", fix)
@@ -312,6 +307,7 @@ def _check_transformation(path: str, step: Any, c: _Collector) -> None:
         _reject_credentials(f"{path}.config", config, c)
     else:
         c.fail(f"{path}.config", f"is {_describe(config)}, not an object", "§5.3", fix)
+    return step
 
 
 def _reject_credentials(path: str, value: Any, c: _Collector) -> None:
@@ -411,19 +407,11 @@ def _uri_safety_problems(parts: SplitResult, scheme: str) -> Iterator[tuple[str,
         if _is_credential_name(name):
             yield f"carries credential query parameter {_show(name)}", "§12.4", _NO_SECRETS
     if ".." in re.split(r"[/\\]", _decoded(parts.netloc + parts.path)):
-        yield (
-            "contains a '..' segment (path traversal)",
-            "§12.1",
-            f"drop the '..', e.g. {_URI_EXAMPLE}",
-        )
+        yield "has a '..' segment (path traversal)", "§12.1", f"drop it, e.g. {_URI_EXAMPLE}"
     if scheme == "file" and parts.netloc.lower() not in ("", "localhost"):
-        yield (
-            f"names host {_show(parts.netloc)}; file URIs must be local",
-            "§12.1",
-            f"drop it, {_LOCAL}",
-        )
+        yield f"names host {_show(parts.netloc)}; file URIs must be local", "§12.1", _LOCAL
     if scheme == "file" and not parts.path.startswith("/"):
-        yield "is not an absolute file path", "§12.1", f"start the path with /, {_LOCAL}"
+        yield "is not an absolute file path", "§12.1", _LOCAL
 
 
 _ATTRIBUTES: dict[str, Checker] = {
@@ -455,12 +443,14 @@ _ATTRIBUTES: dict[str, Checker] = {
     "ext_mlx_preprocess_output_uri": _uri("§5.3"),
     "ext_mlx_preprocess_input_format": _one_of("§5.3", DATA_FORMATS),
     "ext_mlx_preprocess_output_format": _one_of("§5.3", DATA_FORMATS),
-    "ext_mlx_preprocess_transformations": _transformations,
+    "ext_mlx_preprocess_transformations": _array_of(
+        "§5.3", "an array of transformation objects", f"[{_STEP_EXAMPLE}]", _transformation
+    ),
     "ext_mlx_preprocess_split_ratios": _split_ratios,
     # §5.4 evaluation
     "ext_mlx_eval_dataset_uri": _uri("§5.4"),
     "ext_mlx_eval_model_uri": _uri("§5.4"),
-    "ext_mlx_eval_metrics": _metrics,
+    "ext_mlx_eval_metrics": _array_of("§5.4", "an array of metric names", '["f1"]', _metric),
     "ext_mlx_eval_thresholds": _thresholds,
     "ext_mlx_eval_output_uri": _uri("§5.4"),
     "ext_mlx_eval_baseline_run_id": _text("§5.4", "run-000"),

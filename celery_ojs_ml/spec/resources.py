@@ -46,7 +46,11 @@ GigaBytes = Annotated[float, Strict(), Field(ge=0)]
 
 class _Base(BaseModel):
     model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, hide_input_in_errors=True
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        hide_input_in_errors=True,
+        allow_inf_nan=False,
     )
 
 

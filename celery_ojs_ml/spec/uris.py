@@ -9,9 +9,12 @@ private address literals (OJS ML §15.2-§15.3).
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
+
+_CONTROL = re.compile(r"[\x00-\x20\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +30,7 @@ def uri_problems(
 ) -> Iterator[UriProblem]:
     """Why `uri` is unsafe or not allowed; empty when it is fine."""
     allowed = sorted(schemes)
-    if any(ord(ch) < 33 or ord(ch) == 127 for ch in uri):
+    if _CONTROL.search(uri):
         yield UriProblem("contains whitespace or control characters", section)
         return
     parts = urlsplit(uri)

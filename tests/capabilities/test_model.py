@@ -95,7 +95,11 @@ def test_own_labels_cannot_override_the_hardware_derived_labels() -> None:
         gpus=4, labels={"gpu_type": "nvidia-h100", "gpu_count": "99", "zone": "us-east-1a"}
     )
     labels = worker.derived_labels()
-    assert (labels["gpu_type"], labels["gpu_count"], labels["zone"]) == ("nvidia-a100", "4", "us-east-1a")
+    assert (labels["gpu_type"], labels["gpu_count"], labels["zone"]) == (
+        "nvidia-a100",
+        "4",
+        "us-east-1a",
+    )
 
 
 def test_an_own_label_naming_hardware_the_worker_lacks_is_dropped() -> None:
@@ -109,7 +113,11 @@ def test_a_tpu_worker_derives_tpu_labels_and_its_chip_count_from_the_topology() 
     worker = worker_with(tpu={"type": "v5e", "topology": "2x4"})
     labels = worker.derived_labels()
     assert worker.accelerator == "tpu"
-    assert (labels["tpu_type"], labels["tpu_topology"], labels["tpu_chip_count"]) == ("v5e", "2x4", "8")
+    assert (labels["tpu_type"], labels["tpu_topology"], labels["tpu_chip_count"]) == (
+        "v5e",
+        "2x4",
+        "8",
+    )
     assert TpuCapability(type="v4", topology="2x2x4").chip_count == 16
 
 

@@ -142,7 +142,7 @@ def test_an_empty_split_ratio_object_is_rejected_because_it_sums_to_0() -> None:
     assert "sum to 0, not 1.0" in violations_of({"ext_mlx_preprocess_split_ratios": {}})[0]
 
 
-@pytest.mark.parametrize("bad", [1.5, -0.1, "0.5", True, None, float("nan"), float("inf")])
+@pytest.mark.parametrize("bad", [1.5, -0.1, "0.5", True, None, float("nan"), float("inf"), 10**400])
 def test_a_split_ratio_that_is_not_a_number_from_0_to_1_is_rejected_by_name(bad: Any) -> None:
     """§5.3: each ratio is a fraction of the data."""
     attrs = {"ext_mlx_preprocess_split_ratios": {"train": bad, "test": 0.2}}
@@ -158,8 +158,9 @@ class Tripwire:
     def _touched(self, *args: Any) -> Any:
         raise AssertionError("the validator inspected a hyperparameter value")
 
-    __eq__ = __hash__ = __repr__ = __str__ = __bool__ = __iter__ = __float__ = _touched  # type: ignore[assignment]
-    __int__ = __index__ = __len__ = __getitem__ = __reduce_ex__ = _touched
+    __eq__ = __hash__ = __repr__ = __str__ = __bool__ = _touched
+    __iter__ = __len__ = __getitem__ = __float__ = __int__ = __index__ = _touched
+    __reduce_ex__ = __copy__ = __deepcopy__ = _touched
 
 
 def test_hyperparameters_are_handed_back_as_the_very_same_object_unchanged() -> None:
@@ -287,6 +288,24 @@ def test_zero_epochs_are_rejected_with_a_positive_example() -> None:
     assert violations_of({"ext_mlx_training_epochs": 0}) == [
         "ext_mlx_training_epochs is 0, but must be at least 1 (OJS ML Extensions §5.1); "
         'use a positive integer, e.g. "ext_mlx_training_epochs": 3'
+    ]
+
+
+def test_integers_too_long_to_print_are_reported_rather_than_crashing_the_validator() -> None:
+    huge = 10**5000
+    attrs = {
+        "ext_mlx_inference_batch_size": -huge,
+        "ext_mlx_eval_thresholds": {"f1": {"min": huge, "max": 1}},
+        "ext_mlx_preprocess_split_ratios": {"train": huge},
+    }
+    assert violations_of(attrs)[0] == (
+        "ext_mlx_inference_batch_size is <int>, but must be at least 1 (OJS ML Extensions §5.2); "
+        'use a positive integer, e.g. "ext_mlx_inference_batch_size": 64'
+    )
+    assert paths_of(attrs) == [
+        "ext_mlx_inference_batch_size",
+        "ext_mlx_eval_thresholds.f1",
+        "ext_mlx_preprocess_split_ratios.train",
     ]
 
 
@@ -578,7 +597,10 @@ def test_an_unknown_ext_mlx_attribute_from_a_future_version_is_kept_without_a_gu
 
 
 def test_a_key_outside_the_ext_mlx_namespace_is_rejected() -> None:
-    assert paths_of({"ext_ml_gpu_count": 1}) == ['"ext_ml_gpu_count"']
+    assert violations_of({"ext_ml_gpu_count": 1}) == [
+        "ext_ml_gpu_count is not an ext_mlx_* attribute (OJS ML Extensions §8); pass only "
+        'ext_mlx_* attributes here, e.g. "ext_mlx_model_name": "resnet50"'
+    ]
 
 
 def test_a_model_version_that_is_not_semver_gives_a_warning_not_an_error() -> None:
