@@ -96,7 +96,8 @@ def _counted(
         return
     total = capacity or 0
     if requested > total:
-        msg = resource + " {a} < {r}"
+        # NEVER is about the total, so say the total even when `available` is what is free.
+        msg = resource + " " + _lit(fmt(total)) + " < {r}"
         yield Reason(
             resource, requested, free if free is not None else total, total, Verdict.NEVER, msg
         )
