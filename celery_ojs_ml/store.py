@@ -1,0 +1,242 @@
+"""Redis state shared by producers and workers: classes, live workers, pending and held jobs.
+
+Responsibility: the one place that knows the key layout and how each record is
+written atomically. It speaks redis-py only (no Celery), so the same code runs
+against a real server, a Redis Cluster and fakeredis in the embedded demo.
+
+Key decisions:
+- Every key lives under `<prefix>:{ml}:`. The `{ml}` hash tag puts all keys in
+  one Redis Cluster slot, so the multi-key transactions below (an entry and its
+  index, a class and the registry version) are legal on a cluster.
+- Multi-key updates use WATCH/MULTI transactions, not Lua: fakeredis evaluates
+  Lua only when `lupa` is installed, and the embedded demo must not need it.
+- Liveness is the server's business: each worker, pending and held record is its
+  own key with a PX TTL, so a record vanishes when its owner stops refreshing it.
+  A sorted set per kind indexes the names by expiry only so that listing needs
+  no SCAN; it is pruned by the (injectable) client clock with a generous grace,
+  so clock skew between hosts can delay garbage collection but never hide a
+  live record.
+
+Layout (prefix `ojs`):
+    ojs:{ml}:class:constraints        hash   class id -> canonical constraints JSON
+    ojs:{ml}:class:queues:<class id>  set    logical queues that route to the class
+    ojs:{ml}:class:version            int    bumped on every new (class, queue) pair
+    ojs:{ml}:classes                  pubsub channel announcing those pairs
+    ojs:{ml}:<kind>:<name>            string JSON record with PX TTL (kind: worker, pending, held)
+    ojs:{ml}:index:<kind>             zset   name -> expiry (ms since the epoch)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+Clock = Callable[[], float]
+
+_INDEX_GRACE_MS = 60_000
+_WATCH_RETRIES = 32
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0 seconds, e.g. ttl_s=10.0, but got {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
+
+
+class OJSStore:
+    """Typed access to the celery-ojs-ml records in one Redis database."""
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str = "ojs", clock: Clock = time.time
+    ) -> None:
+        self._r = client
+        self._base = f"{prefix}:{{ml}}"
+        self._clock = clock
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "ojs", clock: Clock = time.time) -> OJSStore:
+        """A store on a new client for `url`, e.g. `redis://127.0.0.1:6379/0`."""
+        return cls(redis.Redis.from_url(url), prefix=prefix, clock=clock)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The underlying redis-py client."""
+        return self._r
+
+    @property
+    def classes_channel(self) -> str:
+        """The pub/sub channel on which new (class, logical queue) pairs are announced."""
+        return f"{self._base}:classes"
+
+    def key(self, *parts: str) -> str:
+        """The full key for `parts`, under the prefix and the `{ml}` hash tag."""
+        return ":".join((self._base, *parts))
+
+    def close(self) -> None:
+        """Release the client's connections."""
+        self._r.close()
+
+    def ping(self) -> bool:
+        """Whether the server answers; never raises."""
+        try:
+            return bool(self._r.ping())
+        except redis.RedisError:
+            return False
+
+    # -- requirement-class registry ------------------------------------------------
+
+    def register_class(
+        self, class_id: str, constraints: dict[str, Any], *, logical_queue: str
+    ) -> bool:
+        """Record that `logical_queue` routes jobs of `class_id`; True when the pair is new.
+
+        A new pair bumps the registry version and is published on
+        `classes_channel` in the same transaction, so workers polling the
+        version and workers subscribed to the channel never disagree. The
+        constraints of a known class id are kept as first written: the id is a
+        hash of them.
+        """
+        queues = self.key("class", "queues", class_id)
+        version = self.key("class", "version")
+        with self._r.pipeline(transaction=True) as pipe:
+            for _ in range(_WATCH_RETRIES):
+                try:
+                    return self._register_once(
+                        pipe, queues, version, class_id, constraints, logical_queue
+                    )
+                except redis.WatchError:
+                    continue
+        raise redis.WatchError(f"register_class({class_id!r}) lost {_WATCH_RETRIES} races in a row")
+
+    def _register_once(
+        self,
+        pipe: redis.client.Pipeline,
+        queues: str,
+        version: str,
+        class_id: str,
+        constraints: dict[str, Any],
+        logical_queue: str,
+    ) -> bool:
+        # redis-py leaves Pipeline.watch unannotated; it returns the server's OK.
+        pipe.watch(queues, version)  # type: ignore[no-untyped-call]
+        if pipe.sismember(queues, logical_queue):
+            pipe.unwatch()
+            return False
+        next_version = int(pipe.get(version) or 0) + 1
+        message = {"class_id": class_id, "logical_queue": logical_queue, "version": next_version}
+        pipe.multi()
+        pipe.hsetnx(self.key("class", "constraints"), class_id, _dumps(constraints))
+        pipe.sadd(queues, logical_queue)
+        pipe.incr(version)
+        pipe.publish(self.classes_channel, _dumps(message))
+        pipe.execute()
+        return True
+
+    def classes(self) -> dict[str, dict[str, Any]]:
+        """Every class: `{class_id: {"constraints": {...}, "queues": [sorted logical queues]}}`."""
+        raw: dict[Any, Any] = self._r.hgetall(self.key("class", "constraints"))
+        ids = sorted(_text(k) for k in raw)
+        with self._r.pipeline(transaction=False) as pipe:
+            for cid in ids:
+                pipe.smembers(self.key("class", "queues", cid))
+            members = pipe.execute()
+        by_id = {_text(k): v for k, v in raw.items()}
+        return {
+            cid: {"constraints": json.loads(by_id[cid]), "queues": sorted(_text(q) for q in qs)}
+            for cid, qs in zip(ids, members, strict=True)
+        }
+
+    def classes_version(self) -> int:
+        """The registry version; a cheap value for workers to poll."""
+        return int(self._r.get(self.key("class", "version")) or 0)
+
+    # -- live workers ------------------------------------------------------------
+
+    def advertise(
+        self,
+        worker: str,
+        capabilities: dict[str, Any],
+        free: dict[str, Any],
+        *,
+        ttl_s: float = 10.0,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        """Publish a worker's heartbeat; it stays live for `ttl_s` seconds unless refreshed."""
+        payload = {
+            "capabilities": capabilities,
+            "free": free,
+            "info": info or {},
+            "ts": self._clock(),
+        }
+        self._put("worker", worker, payload, ttl_s)
+
+    def live_workers(self) -> dict[str, dict[str, Any]]:
+        """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""
+        return self._live("worker")
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a worker at once, e.g. on a clean shutdown."""
+        self._drop("worker", worker)
+
+    # -- pending records ---------------------------------------------------------
+
+    def set_pending(self, task_id: str, record: dict[str, Any], *, ttl_s: float = 86400) -> None:
+        """Record why a job waits: `reason`, `class_id`, `queue`, `since` (default: now)."""
+        self._put("pending", task_id, {"since": self._clock(), **record}, ttl_s)
+
+    def clear_pending(self, task_id: str) -> None:
+        """Forget a job's pending record, e.g. once a worker starts it."""
+        self._drop("pending", task_id)
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        """`{task_id: record}` for every unexpired pending record."""
+        return self._live("pending")
+
+    # -- worker-local held jobs --------------------------------------------------
+
+    def set_held(self, worker: str, held: list[dict[str, Any]], *, ttl_s: float = 10.0) -> None:
+        """Snapshot the jobs `worker` holds in its gate; replaces the previous snapshot."""
+        self._put("held", worker, held, ttl_s)
+
+    def held(self) -> dict[str, list[dict[str, Any]]]:
+        """`{worker: [held job, ...]}` for every unexpired snapshot."""
+        return self._live("held")
+
+    # -- expiring records: one key with a PX TTL plus an index by expiry ----------
+
+    def _put(self, kind: str, name: str, payload: Any, ttl_s: float) -> None:
+        ttl_ms = _ttl_ms(ttl_s)
+        expires_ms = round(self._clock() * 1000) + ttl_ms
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self.key(kind, name), _dumps(payload), px=ttl_ms)
+            pipe.zadd(self.key("index", kind), {name: expires_ms})
+            pipe.execute()
+
+    def _drop(self, kind: str, name: str) -> None:
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key(kind, name))
+            pipe.zrem(self.key("index", kind), name)
+            pipe.execute()
+
+    def _live(self, kind: str) -> dict[str, Any]:
+        index = self.key("index", kind)
+        cutoff = round(self._clock() * 1000) - _INDEX_GRACE_MS
+        self._r.zremrangebyscore(index, "-inf", cutoff)
+        raw: list[Any] = self._r.zrange(index, 0, -1)
+        names = [_text(n) for n in raw]
+        if not names:
+            return {}
+        values: list[Any] = self._r.mget([self.key(kind, n) for n in names])
+        return {n: json.loads(v) for n, v in zip(names, values, strict=True) if v is not None}
