@@ -37,7 +37,7 @@ def hard_constraints(m: MLRequirements) -> dict[str, Any]:
     out: dict[str, Any] = {k: getattr(m, k) for k in _SCALARS if getattr(m, k) is not None}
     if m.ext_ml_accelerator in ("gpu", "tpu", "fpga"):
         out["ext_ml_accelerator"] = m.ext_ml_accelerator
-    if (m.ext_ml_gpu_count or 0) > 1 and m.ext_ml_gpu_interconnect not in (None, "any"):
+    if (m.ext_ml_gpu_count or 0) > 1 and m.ext_ml_gpu_interconnect == "nvlink":
         out["ext_ml_gpu_interconnect"] = m.ext_ml_gpu_interconnect
     if m.ext_ml_model_id and m.ext_ml_model_version:
         out["ext_ml_model_id"] = m.ext_ml_model_id

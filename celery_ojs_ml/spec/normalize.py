@@ -73,7 +73,7 @@ def normalize(attrs: Mapping[str, Any], bounds: Bounds = DEFAULT_BOUNDS) -> Norm
         if key.startswith("ext_ml_") and key not in KNOWN_KEYS
     ]
     for message in warnings:
-        log.warning(message)
+        log.info(message)
     return Normalized(inferred, warnings)
 
 

@@ -49,3 +49,9 @@ def test_the_queue_name_is_logical_queue_ml_class_band() -> None:
     req = _req(gpu_count=1, priority_class="spot")
     assert queue_name("celery", req) == f"celery.ml.{class_id(req)}.spot"
     assert band(_req(gpu_count=1)) == "on-demand"
+
+
+def test_pcie_is_acceptable_everywhere_so_it_does_not_split_classes() -> None:
+    """§3.2: `pcie` means PCIe is acceptable; only `nvlink` is a hard requirement."""
+    assert class_id(_req(gpu_count=2, gpu_interconnect="pcie")) == class_id(_req(gpu_count=2))
+    assert class_id(_req(gpu_count=2, gpu_interconnect="nvlink")) != class_id(_req(gpu_count=2))

@@ -1,0 +1,275 @@
+"""The per-worker allocation state machine after Flux RFC 27.
+
+One `Allocator` owns a worker's counted resources and GPU indices. It answers
+`try_alloc` with an `Allocation` (SUCCESS), a `Pending` carrying the pending
+reason (ANNOTATE) or `Denied` (DENY); it also frees, cancels and re-prioritises
+held requests, pumps the hold queue, and picks preemption victims.
+
+Key decision: it is pure. No Celery, no I/O, no threads and an injected clock,
+so the worker's gate (which calls it from the main process only) owns all
+concurrency, and every rule here is tested without a broker. Verdicts reuse
+matching's filters and reason strings, so the worker says what `match` says.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ojs_ml.allocator.devices import pick_devices
+from celery_ojs_ml.allocator.model import (
+    RESOURCE_NAMES,
+    Allocation,
+    AllocatorError,
+    Demand,
+    Denied,
+    Pending,
+    preemptible_of,
+    rank,
+)
+from celery_ojs_ml.allocator.policy import blocker, choose_victims, counted_reasons, is_victim
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict, match
+from celery_ojs_ml.spec.classes import band as band_of
+from celery_ojs_ml.spec.resources import MLRequirements
+
+_COUNTED = frozenset(RESOURCE_NAMES.values())
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    alloc: Allocation
+    labels: Mapping[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class _Assessment:
+    verdict: Verdict
+    reasons: tuple[Reason, ...]
+    why: str
+
+
+class Allocator:
+    """Devices, counted resources and the hold queue of one worker (see module doc)."""
+
+    def __init__(
+        self,
+        caps: Capabilities,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        reserve_cpu: float = 0,
+        reserve_memory_gb: float = 0,
+        allow_on_demand_preemption: bool = False,
+    ) -> None:
+        self._caps = caps
+        self._clock = clock
+        self._total = Demand.capacity(caps, reserve_cpu, reserve_memory_gb)
+        self._allow_on_demand = allow_on_demand_preemption
+        self._running: dict[Hashable, _Job] = {}
+        self._held: dict[Hashable, Pending] = {}
+        self._seq: dict[Hashable, int] = {}
+        self._counter = itertools.count()
+
+    def try_alloc(
+        self,
+        key: Hashable,
+        task_id: str,
+        req: MLRequirements,
+        *,
+        priority: int = 0,
+        labels: Mapping[str, str] | None = None,
+    ) -> Allocation | Pending | Denied:
+        """RFC 27 alloc: SUCCESS now, a `Pending` to `hold` (WAIT), or DENY (NEVER).
+
+        A request that fits still waits when it would take resources that a held
+        request ranked ahead of it is waiting for (the backfill rule in `policy`).
+        """
+        self._check_new(key)
+        band, now = band_of(req), self._clock()
+        mine = (-rank(band), -priority, now)
+        ahead = [p for p in self.held() if self._order(p)[:3] <= mine]
+        seen = self._assess(req, ahead)
+        if seen.verdict is Verdict.NEVER:
+            return Denied(key, task_id, seen.why, seen.reasons)
+        if seen.verdict is Verdict.WAIT:
+            return Pending(key, task_id, req, band, priority, now, seen.why, dict(labels or {}))
+        return self._commit(key, task_id, req, band, labels or {})
+
+    def hold(self, pending: Pending) -> None:
+        """Queue a request by band, then priority (higher first), then FIFO by `since`."""
+        self._check_new(pending.key)
+        seen = self._assess(pending.req, ())
+        if seen.verdict is Verdict.NEVER:
+            raise AllocatorError(
+                f"task {pending.task_id} can never run on this worker ({seen.why}); "
+                "deny it (try_alloc returns Denied) instead of holding it"
+            )
+        self._held[pending.key] = pending
+        self._seq[pending.key] = next(self._counter)
+
+    def free(self, key: Hashable) -> Allocation | None:
+        """RFC 27 free: release a running job's resources; None if it holds none."""
+        job = self._running.pop(key, None)
+        return job.alloc if job else None
+
+    def cancel(self, key: Hashable) -> Pending | None:
+        """RFC 27 cancel: drop a held request (revoked, expired); None if not held."""
+        self._seq.pop(key, None)
+        return self._held.pop(key, None)
+
+    def prioritise(self, key: Hashable, priority: int) -> Pending | None:
+        """RFC 27 prioritize: change a held request's priority; unknown keys are ignored."""
+        pending = self._held.get(key)
+        if pending is not None:
+            pending.priority = priority
+        return pending
+
+    def pump(self) -> list[Allocation]:
+        """Start held requests that fit now, in queue order, under the backfill rule.
+
+        Requests that still wait get a fresh pending reason (RFC 27 ANNOTATE).
+        """
+        started: list[Allocation] = []
+        ahead: list[Pending] = []
+        for pending in self.held():
+            seen = self._assess(pending.req, ahead)
+            if seen.verdict is Verdict.FITS:
+                self.cancel(pending.key)
+                started.append(self._start(pending))
+            else:
+                pending.reason = seen.why
+                ahead.append(pending)
+        return started
+
+    def expired(self, max_hold_s: float) -> list[Pending]:
+        """Remove and return requests held longer than `max_hold_s` (the worker requeues them)."""
+        now = self._clock()
+        out = [p for p in self.held() if now - p.since > max_hold_s]
+        for pending in out:
+            self.cancel(pending.key)
+        return out
+
+    def free_capacity(self) -> FreeCapacity:
+        """What is free now, for matching and the subscription."""
+        return self._capacity_view(())
+
+    def preemptible_capacity(self, above_band: str) -> FreeCapacity:
+        """Free capacity plus what `above_band` may preempt (same rule as `victims`)."""
+        return self._capacity_view(self._candidates(above_band))
+
+    def victims(self, req: MLRequirements, band: str) -> list[Allocation] | None:
+        """A minimal set of jobs to preempt so that `req` fits ([] if it fits now).
+
+        None when the request can never run here or no allowed set makes room.
+        The policy (lowest band, newest first, then pruning) is in `policy`.
+        """
+        if self._assess(req, ()).verdict is Verdict.NEVER:
+            return None
+
+        def fits(released: Sequence[Allocation]) -> bool:
+            return self._assess(req, (), released).verdict is Verdict.FITS
+
+        return choose_victims(self._candidates(band), fits)
+
+    def allocations(self) -> list[Allocation]:
+        """Running allocations, oldest first."""
+        return [job.alloc for job in self._running.values()]
+
+    def held(self) -> list[Pending]:
+        """Held requests in queue order: the order `pump` serves them in."""
+        return sorted(self._held.values(), key=self._order)
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able state for `celery inspect stats`, Flower and `celery ojs-ml status`."""
+        owners = {i: a.task_id for a in self.allocations() for i in a.devices}
+        return {
+            "capacity": _counts(self._total),
+            "free": _counts(self._free(())),
+            "devices": {str(i): owners.get(i) for i in range(self._caps.gpu_count)},
+            "allocations": [a.as_dict() for a in self.allocations()],
+            "held": [p.as_dict() for p in self.held()],
+        }
+
+    def _check_new(self, key: Hashable) -> None:
+        if key in self._running or key in self._held:
+            state = "running" if key in self._running else "held"
+            raise AllocatorError(
+                f"key {key!r} is already {state}; free() or cancel() it before allocating "
+                "again (RFC 27: one alloc request per job)"
+            )
+
+    def _order(self, p: Pending) -> tuple[int, int, float, int]:
+        return (-rank(p.band), -p.priority, p.since, self._seq.get(p.key, -1))
+
+    def _candidates(self, band: str) -> list[Allocation]:
+        allow = self._allow_on_demand
+        return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
+
+    def _free(self, released: Collection[Allocation]) -> Demand:
+        gone = {a.key for a in released}
+        used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
+        return self._total.minus(used)
+
+    def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
+        free, gone = self._free(released), {a.key for a in released}
+        return FreeCapacity(
+            gpus=free.gpus,
+            cpu_cores=free.cpu_cores,
+            memory_gb=free.memory_gb,
+            tpu_chips=free.tpu_chips if self._caps.tpu else None,
+            running_labels=tuple(
+                j.labels for k, j in self._running.items() if j.labels and k not in gone
+            ),
+        )
+
+    def _assess(
+        self, req: MLRequirements, ahead: Sequence[Pending], released: Collection[Allocation] = ()
+    ) -> _Assessment:
+        """FITS / WAIT / NEVER with reasons; counted resources are judged here (reserves)."""
+        free = self._free(released)
+        found = match(req, self._caps, self._capacity_view(released)).reasons
+        reasons = [r for r in found if r.resource not in _COUNTED]
+        reasons += counted_reasons(Demand.of(req), self._total, free)
+        never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
+        if never:
+            return _Assessment(Verdict.NEVER, never, _join(never))
+        if reasons:
+            return _Assessment(Verdict.WAIT, tuple(reasons), _join(reasons))
+        why = blocker(Demand.of(req), free, ahead)
+        return _Assessment(Verdict.WAIT, (), why) if why else _Assessment(Verdict.FITS, (), "")
+
+    def _start(self, p: Pending) -> Allocation:
+        return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
+
+    def _commit(
+        self, key: Hashable, task_id: str, req: MLRequirements, band: str, labels: Mapping[str, str]
+    ) -> Allocation:
+        want = Demand.of(req)
+        if want.short_of(self._free(())):
+            raise AllocatorError(f"task {task_id} does not fit; refusing to overcommit")
+        taken = {i for a in self.allocations() for i in a.devices}
+        free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
+        alloc = Allocation(
+            key,
+            task_id,
+            pick_devices(free_devices, want.gpus),
+            want.cpu_cores,
+            want.memory_gb,
+            want.tpu_chips,
+            band,
+            preemptible_of(req),
+            self._clock(),
+        )
+        self._running[key] = _Job(alloc, dict(labels))
+        return alloc
+
+
+def _join(reasons: Sequence[Reason]) -> str:
+    return ", ".join(r.message for r in reasons)
+
+
+def _counts(d: Demand) -> dict[str, float]:
+    return {RESOURCE_NAMES[name]: amount for name, amount in d.items()}

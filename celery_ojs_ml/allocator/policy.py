@@ -1,0 +1,87 @@
+"""The allocator's pure rules: counted-resource reasons, backfill and victim choice.
+
+Key decisions:
+
+* **Backfill.** Held requests are served in strict priority order (band, then
+  priority, then FIFO). A request behind a waiting one may still start, but
+  only inside what is left after setting aside the *whole* demand of every
+  waiting request ahead of it, so it never takes a resource a request ahead is
+  waiting for. Without run-time estimates this is conservative backfill.
+* **Victims.** Candidates are taken lowest band first, then most recently
+  started first (least work lost) until the request fits; then each victim, the
+  least preferred first, is dropped again if the request fits without it, so the
+  set is minimal (no victim can be spared).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from celery_ojs_ml.allocator.model import RESOURCE_NAMES, Allocation, Demand, Pending, rank
+from celery_ojs_ml.matching import Reason, Verdict
+from celery_ojs_ml.matching.filters import fmt
+
+
+def counted_reasons(want: Demand, total: Demand, free: Demand) -> list[Reason]:
+    """Matching's reasons for the four counted resources: NEVER over the total, WAIT over free."""
+    out: list[Reason] = []
+    for (name, asked), (_, cap), (_, left) in zip(
+        want.items(), total.items(), free.items(), strict=True
+    ):
+        resource = RESOURCE_NAMES[name]
+        if asked <= 0:
+            continue
+        if asked > cap:
+            template = f"{resource} {fmt(cap)} < {{r}}"
+            out.append(Reason(resource, asked, left, cap, Verdict.NEVER, template))
+        elif asked > left:
+            template = resource + " free {a} < {r}"
+            out.append(Reason(resource, asked, left, cap, Verdict.WAIT, template))
+    return out
+
+
+def blocker(want: Demand, free: Demand, ahead: Sequence[Pending]) -> str | None:
+    """Why backfill may not start `want` now, or None when it may (see module doc)."""
+    set_aside = Demand.total(Demand.of(p.req) for p in ahead)
+    short = want.short_of(free.minus(set_aside))
+    if not short:
+        return None
+    names = [RESOURCE_NAMES[s] for s in short]
+    for p in ahead:
+        if set(short) & _uses(Demand.of(p.req)):
+            return f"behind held {p.task_id} ({p.band}) waiting for {', '.join(names)}"
+    return "behind held requests waiting for " + ", ".join(names)
+
+
+def _uses(d: Demand) -> set[str]:
+    return {name for name, amount in d.items() if amount > 0}
+
+
+def is_victim(alloc: Allocation, band: str, *, allow_on_demand: bool) -> bool:
+    """Whether `alloc` may be preempted for a request in `band` (§8.1, §8.2).
+
+    Only preemptible jobs in a lower band qualify; an on-demand job only for a
+    reserved request and only when the worker allows on-demand preemption.
+    """
+    if not alloc.preemptible or rank(alloc.band) >= rank(band):
+        return False
+    return alloc.band != "on-demand" or allow_on_demand
+
+
+def choose_victims(
+    candidates: Sequence[Allocation], fits: Callable[[Sequence[Allocation]], bool]
+) -> list[Allocation] | None:
+    """A minimal victim set in policy order (see module doc), or None if none suffices."""
+    ordered = sorted(candidates, key=lambda a: (rank(a.band), -a.started_at))
+    chosen: list[Allocation] = []
+    for candidate in ordered:
+        if fits(chosen):
+            break
+        chosen.append(candidate)
+    if not fits(chosen):
+        return None
+    for victim in reversed(list(chosen)):
+        rest = [a for a in chosen if a is not victim]
+        if fits(rest):
+            chosen = rest
+    return chosen

@@ -1,0 +1,1 @@
+"""Celery integration: the `OJSML(app)` plugin, router, worker bootsteps and hooks."""

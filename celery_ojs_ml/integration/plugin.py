@@ -1,0 +1,173 @@
+"""`OJSML(app)`: add ML routing, worker capabilities and GPU pinning to a Celery app.
+
+Key decision: the plugin plugs in only through public hooks (a `task_routes`
+router, a `before_task_publish` receiver, consumer bootsteps, a worker CLI
+option and remote-control commands), so every task without ML attributes
+behaves exactly as in plain Celery.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Celery, signals
+from celery.canvas import Signature, chain, group
+
+from celery_ojs_ml.capabilities import parse_capabilities
+from celery_ojs_ml.errors import ConfigError, UnsatisfiableError
+from celery_ojs_ml.integration.routing import HEADER_LOGICAL, MLRouter
+from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
+from celery_ojs_ml.matching import match, pending_message
+from celery_ojs_ml.spec.documents import parse_document
+from celery_ojs_ml.spec.envelope import Job, ParseOptions
+from celery_ojs_ml.spec.flux import FluxJob
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.workflow import Workflow
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger(__name__)
+_LIVE_CACHE_S = 1.0
+
+
+class OJSML:
+    """The plugin object; one per Celery app (`OJSML(app)` is idempotent)."""
+
+    def __init__(self, app: Celery) -> None:
+        existing = getattr(app, "ojs_ml", None)
+        self.app = app
+        self._settings: OJSMLSettings | None = None
+        self._store: OJSStore | None = None
+        self._registered: set[tuple[str, str]] = set()
+        self._live: tuple[float, dict[str, Any]] = (0.0, {})
+        if isinstance(existing, OJSML):
+            return
+        app.ojs_ml = self
+        self._install_router()
+        signals.before_task_publish.connect(_apply_time_limit, weak=False)
+        from celery_ojs_ml.integration.worker import install
+
+        install(app)
+
+    # -- configuration -------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> OJSMLSettings:
+        """`ojs_ml_*` settings, read once and cached."""
+        if self._settings is None:
+            self._settings = read_settings(self.app.conf)
+        return self._settings
+
+    @property
+    def parse_options(self) -> ParseOptions:
+        """Validator options (bounds, queue policies) from the settings."""
+        return self.settings.parse_options()
+
+    @property
+    def store(self) -> OJSStore:
+        """The Redis store; `ojs_ml_store_url`, else the broker URL when that is Redis."""
+        if self._store is None:
+            url = self.settings.store_url or _redis_broker(self.app)
+            if url is None:
+                raise ConfigError(
+                    "ojs_ml_store_url is not set and the broker is not Redis; set it, e.g. "
+                    'app.conf.ojs_ml_store_url = "redis://127.0.0.1:6379/2"'
+                )
+            self._store = OJSStore.from_url(url, prefix=self.settings.store_prefix)
+        return self._store
+
+    def use_store(self, store: OJSStore) -> None:
+        """Use a given store (the embedded demo passes a fakeredis one)."""
+        self._store = store
+
+    def _install_router(self) -> None:
+        routes = self.app.conf.task_routes
+        existing = (
+            list(routes) if isinstance(routes, list | tuple) else ([routes] if routes else [])
+        )
+        self.app.conf.task_routes = [MLRouter(self), *existing]
+
+    # -- publish-side helpers used by the router ---------------------------------------------
+
+    def register_class(self, cid: str, constraints: dict[str, Any], logical: str) -> None:
+        """Register a requirement class once per process (then workers pick it up)."""
+        if (cid, logical) in self._registered:
+            return
+        self.store.register_class(cid, constraints, logical_queue=logical)
+        self._registered.add((cid, logical))
+
+    def live_workers(self) -> dict[str, Any]:
+        """Live workers from the store, cached for a second on the publish path."""
+        stamp, cached = self._live
+        now = time.monotonic()
+        if now - stamp > _LIVE_CACHE_S:
+            cached = self.store.live_workers()
+            self._live = (now, cached)
+        return cached
+
+    def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
+        """The pending reason when no live worker could ever run the job, else None."""
+        results = [
+            match(req, parse_capabilities(w["capabilities"])) for w in self.live_workers().values()
+        ]
+        if any(r.eligible for r in results):
+            return None
+        reason = pending_message(results)
+        if self.settings.deny_unsatisfiable:
+            raise UnsatisfiableError(f"no live worker can ever run this job: {reason}")
+        return reason
+
+    # -- submission of OJS documents -------------------------------------------------------
+
+    def signature_for(self, doc: Any) -> Signature:
+        """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
+        parsed = parse_document(doc, self.parse_options)
+        if isinstance(parsed, Workflow):
+            sigs = [self._job_signature(step) for step in parsed.steps]
+            return chain(*sigs) if parsed.workflow_type == "chain" else group(*sigs)
+        if isinstance(parsed, FluxJob):
+            return self._flux_group(parsed)
+        return self._job_signature(parsed)
+
+    def submit(self, doc: Any) -> Any:
+        """Validate and publish an OJS envelope (either form), a workflow or a Flux jobspec."""
+        return self.signature_for(doc).apply_async()
+
+    def _job_signature(self, job: Job) -> Signature:
+        if not job.type:
+            raise ConfigError('an OJS job needs a type naming the task, e.g. "type": "ml.train"')
+        headers: dict[str, Any] = {**job.canonical()}
+        if job.queue:
+            headers[HEADER_LOGICAL] = job.queue
+        if job.last_checkpoint:
+            headers["ojs_last_checkpoint"] = job.last_checkpoint
+        opts: dict[str, Any] = {"headers": headers}
+        if job.id:
+            opts["task_id"] = job.id
+        return self.app.signature(job.type, args=job.args, kwargs=job.kwargs, options=opts)
+
+    def _flux_group(self, flux: FluxJob) -> Signature:
+        name = str(flux.command[0]) if flux.command else "flux.task"
+        headers: dict[str, Any] = dict(flux.slot_requirements())
+        if flux.queue:
+            headers[HEADER_LOGICAL] = flux.queue
+        args = list(flux.command[1:])
+        return group(
+            self.app.signature(name, args=args, options={"headers": dict(headers)})
+            for _ in range(flux.task_count)
+        )
+
+
+def _redis_broker(app: Celery) -> str | None:
+    url = app.conf.broker_url or ""
+    return str(url) if str(url).startswith(("redis://", "rediss://", "unix://")) else None
+
+
+def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """§14.3: ext_ml_timeout_seconds becomes the execution time limit, overriding the task's."""
+    if not headers:
+        return
+    timeout = headers.get("ext_ml_timeout_seconds")
+    if isinstance(timeout, int) and timeout > 0:
+        headers["timelimit"] = (timeout, None)

@@ -1,0 +1,80 @@
+"""`ojs_ml_*` settings, read once from `app.conf` into a typed, cached model.
+
+Key decision (after celery-redbeat): every setting is namespaced, validated at
+start-up, and a bad value fails with the list of valid values, so a typo never
+silently turns a feature off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.spec.envelope import ParseOptions
+from celery_ojs_ml.spec.normalize import Bounds
+from celery_ojs_ml.spec.policy import QueuePolicy
+
+PREFIX = "ojs_ml_"
+_BOUND_FIELDS = tuple(Bounds.__dataclass_fields__)
+
+
+class OJSMLSettings(BaseModel):
+    """Every `ojs_ml_*` setting with its default (docs/settings.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    store_url: str | None = None
+    """Redis URL of the plugin's store; defaults to the broker URL when that is Redis."""
+    store_prefix: str = "ojs"
+    """Key prefix in the store."""
+    deny_unsatisfiable: bool = False
+    """Raise at publish when no live worker could ever run the job (RFC 27 DENY)."""
+    heartbeat_s: float = Field(default=2.0, gt=0)
+    """Seconds between worker advertisements; the TTL is three heartbeats."""
+    subscription_poll_s: float = Field(default=0.5, gt=0)
+    """How often a worker looks for newly registered requirement classes."""
+    max_hold_s: float = Field(default=10.0, gt=0)
+    """Longest a worker holds a message that no longer fits before requeueing it."""
+    locality_weight: int = Field(default=50, ge=0, le=100)
+    """Weight of model locality in the 0-100 score (§11.3)."""
+    queue_policies: dict[str, QueuePolicy] = Field(default_factory=dict)
+    """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
+    bounds: dict[str, Any] = Field(default_factory=dict)
+    """Upper bounds and allow-lists (§15), collected from `ojs_ml_max_*` etc."""
+
+    def parse_options(self) -> ParseOptions:
+        """The validator options these settings imply."""
+        return ParseOptions(bounds=make_bounds(self.bounds), policies=self.queue_policies)
+
+
+def make_bounds(values: Mapping[str, Any]) -> Bounds:
+    """A `Bounds` from setting values; sets become frozensets, lists tuples."""
+    converted: dict[str, Any] = {}
+    for key, value in values.items():
+        default = getattr(Bounds(), key)
+        if isinstance(default, frozenset) or (default is None and value is not None):
+            converted[key] = frozenset(value)
+        elif isinstance(default, tuple):
+            converted[key] = tuple(value)
+        else:
+            converted[key] = value
+    return Bounds(**converted)
+
+
+def read_settings(conf: Mapping[str, Any]) -> OJSMLSettings:
+    """Collect `ojs_ml_*` keys from a Celery config and validate them."""
+    raw = {k[len(PREFIX) :]: v for k, v in conf.items() if k.startswith(PREFIX) and v is not None}
+    bounds = {k: raw.pop(k) for k in list(raw) if k in _BOUND_FIELDS}
+    known = set(OJSMLSettings.model_fields) - {"bounds"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        valid = sorted(PREFIX + k for k in (*known, *_BOUND_FIELDS))
+        raise ConfigError(f"unknown setting(s) {[PREFIX + k for k in unknown]}; valid: {valid}")
+    try:
+        make_bounds(bounds)
+        return OJSMLSettings(**raw, bounds=bounds)
+    except (ValidationError, TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid ojs_ml_* setting: {exc}") from None
