@@ -89,7 +89,7 @@ def test_the_class_is_registered_in_the_store_for_workers_to_find(
 ) -> None:
     app.tasks["ml.train"].apply_async(args=[{}])
     classes = app.ojs_ml.store.classes()
-    [(cid, entry)] = classes.items()
+    [(_cid, entry)] = classes.items()
     assert entry["queues"] == ["celery"]
     assert entry["constraints"]["ext_ml_gpu_count"] == 2
 
