@@ -15,7 +15,7 @@ from typing import Any
 from celery import Celery, signals
 from celery.canvas import Signature, chain, group
 
-from celery_ojs_ml.capabilities import parse_capabilities
+from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, UnsatisfiableError
 from celery_ojs_ml.integration.routing import HEADER_LOGICAL, MLRouter
 from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
@@ -40,7 +40,7 @@ class OJSML:
         self._settings: OJSMLSettings | None = None
         self._store: OJSStore | None = None
         self._registered: set[tuple[str, str]] = set()
-        self._live: tuple[float, dict[str, Any]] = (0.0, {})
+        self._live: tuple[float, list[Capabilities]] = (0.0, [])
         if isinstance(existing, OJSML):
             return
         app.ojs_ml = self
@@ -97,20 +97,20 @@ class OJSML:
         self.store.register_class(cid, constraints, logical_queue=logical)
         self._registered.add((cid, logical))
 
-    def live_workers(self) -> dict[str, Any]:
-        """Live workers from the store, cached for a second on the publish path."""
+    def live_workers(self) -> list[Capabilities]:
+        """Parsed capabilities of the live workers, cached for a second on the publish path."""
         stamp, cached = self._live
         now = time.monotonic()
         if now - stamp > _LIVE_CACHE_S:
-            cached = self.store.live_workers()
+            cached = [
+                parse_capabilities(w["capabilities"]) for w in self.store.live_workers().values()
+            ]
             self._live = (now, cached)
         return cached
 
     def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
         """The pending reason when no live worker could ever run the job, else None."""
-        results = [
-            match(req, parse_capabilities(w["capabilities"])) for w in self.live_workers().values()
-        ]
+        results = [match(req, caps) for caps in self.live_workers()]
         if any(r.eligible for r in results):
             return None
         reason = pending_message(results)

@@ -78,7 +78,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.allocator = Allocator(self.caps)
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
-        self.classes: dict[str, dict[str, Any]] = {}
+        self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
         self.version = -1
         self._timers: list[Any] = []
         self._orig_handler = c.on_task_request
@@ -162,7 +162,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Pick up new classes and (re)apply the queues that fit free capacity now."""
         version = self.store.classes_version()
         if version != self.version:
-            self.classes = self.store.classes()
+            self.classes = {
+                cid: (normalize(entry["constraints"]).requirements, list(entry.get("queues", [])))
+                for cid, entry in self.store.classes().items()
+            }
             self.version = version
         self.resubscribe()
 
@@ -170,12 +173,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Every (class, band) queue this worker can ever run and that fits free capacity."""
         free = self.allocator.free_capacity()
         wanted: set[str] = set()
-        for cid, entry in self.classes.items():
-            req = normalize(entry["constraints"]).requirements
-            result = match(req, self.caps, free)
-            if result.verdict is not Verdict.FITS:
+        for cid, (req, queues) in self.classes.items():
+            if match(req, self.caps, free).verdict is not Verdict.FITS:
                 continue
-            for logical in entry.get("queues", []):
+            for logical in queues:
                 wanted.update(queue_name(logical, cid, b) for b in BANDS)
         return wanted
 
