@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "Python 3.11 is required (set PYTHON=...)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,torch]'
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -28,6 +28,7 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/spec.py
+	$(BIN)/python bench/dispatch.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,34 @@
+"""celery-ojs-ml: OJS ML resource-aware routing, GPU gating and checkpoints for Celery.
+
+Public API: `OJSML(app)` (the plugin), `checkpoint(task)` (the task-side
+checkpoint helper), `Preempted`, and `devices(task)` (a task's GPU indices).
+Names are imported lazily so that `celery_ojs_ml.spec` stays importable alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery_ojs_ml.checkpoint import Preempted, checkpoint
+    from celery_ojs_ml.integration.child import devices
+    from celery_ojs_ml.integration.plugin import OJSML
+
+__all__ = ["OJSML", "Preempted", "checkpoint", "devices"]
+__version__ = "0.1.0"
+
+_LAZY = {
+    "OJSML": ("celery_ojs_ml.integration.plugin", "OJSML"),
+    "devices": ("celery_ojs_ml.integration.child", "devices"),
+    "checkpoint": ("celery_ojs_ml.checkpoint", "checkpoint"),
+    "Preempted": ("celery_ojs_ml.checkpoint", "Preempted"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'celery_ojs_ml' has no attribute {name!r}")
+    import importlib
+
+    module, attr = _LAZY[name]
+    return getattr(importlib.import_module(module), attr)

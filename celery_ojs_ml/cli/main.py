@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import click
 
+from celery_ojs_ml.cli.jobs import checkpoints, dead
+from celery_ojs_ml.cli.live import LIVE_COMMANDS
 from celery_ojs_ml.cli.offline import explain, match, probe_cmd, schema, validate
-from celery_ojs_ml.cli.tour import demo
+from celery_ojs_ml.cli.tour import tour
+from celery_ojs_ml.demo.cli import demo
 
 
 @click.group(name="ojs-ml")
@@ -18,7 +21,11 @@ def cli() -> None:
     """Celery OJS ML: validate, match and explain ML jobs; inspect workers."""
 
 
-for command in (validate, match, explain, probe_cmd, schema, demo):
+for command in (validate, match, explain, probe_cmd, schema, tour, demo):
+    cli.add_command(command)
+for command in (checkpoints, dead):
+    cli.add_command(command)
+for command in LIVE_COMMANDS:  # status, submit, and an `explain` that also takes the live forms
     cli.add_command(command)
 
 

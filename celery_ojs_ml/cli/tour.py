@@ -1,4 +1,4 @@
-"""`celery-ojs-ml demo`: an offline tour of who can run what, and why not.
+"""`celery-ojs-ml tour`: an offline tour of who can run what, and why not.
 
 Key decision: the tour uses the real spec, capability and matching layers on
 the spec's own example jobs and a few simulated workers, so what it prints is
@@ -56,8 +56,8 @@ def _row(name: str, job: Job, fleet: dict[str, Capabilities]) -> str:
     show_default=True,
     help="Directory with jobs/ inside.",
 )
-def demo(examples_dir: str) -> None:
-    """Validate every example job and show which sample worker can run it."""
+def tour(examples_dir: str) -> None:
+    """Validate every example job and show which sample worker can run it (offline)."""
     fleet = _fleet(Path(examples_dir))
     click.echo(f"{'job':<46} " + "".join(f"{w:^15}" for w in fleet))
     invalid = 0

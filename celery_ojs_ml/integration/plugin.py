@@ -9,6 +9,7 @@ behaves exactly as in plain Celery.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -17,7 +18,13 @@ from celery.canvas import Signature, chain, group
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, UnsatisfiableError
-from celery_ojs_ml.integration.routing import HEADER_LOGICAL, MLRouter
+from celery_ojs_ml.integration.routing import (
+    HEADER_BAND,
+    HEADER_CLASS,
+    HEADER_LOGICAL,
+    HEADER_PENDING,
+    MLRouter,
+)
 from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
 from celery_ojs_ml.matching import match, pending_message
 from celery_ojs_ml.spec.documents import parse_document
@@ -29,6 +36,8 @@ from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
 _LIVE_CACHE_S = 1.0
+_ROUTED = threading.local()
+"""The plugin that routed the message being published on this thread (router -> publish)."""
 
 
 class OJSML:
@@ -46,6 +55,7 @@ class OJSML:
         app.ojs_ml = self
         self._install_router()
         signals.before_task_publish.connect(_apply_time_limit, weak=False)
+        signals.before_task_publish.connect(_record_pending, weak=False)
         from celery_ojs_ml.integration.worker import install
 
         install(app)
@@ -115,8 +125,30 @@ class OJSML:
             return None
         reason = pending_message(results)
         if self.settings.deny_unsatisfiable:
-            raise UnsatisfiableError(f"no live worker can ever run this job: {reason}")
+            raise UnsatisfiableError(
+                f"no live worker can ever run this job: {reason}; start a worker that can, "
+                "or set ojs_ml_deny_unsatisfiable=False to let the job wait"
+            )
+        _ROUTED.plugin = self
         return reason
+
+    def mark_pending(self, headers: dict[str, Any]) -> None:
+        """Store the pending record of a job being published and announce it (OJS §7.2)."""
+        task_id = str(headers.get("id"))
+        record = {
+            "reason": headers[HEADER_PENDING],
+            "task": headers.get("task"),
+            "class_id": headers.get(HEADER_CLASS),
+            "band": headers.get(HEADER_BAND),
+            "queue": headers.get(HEADER_LOGICAL),
+        }
+        try:
+            self.store.set_pending(task_id, record)
+            with self.app.events.default_dispatcher() as dispatcher:
+                dispatcher.send("ojs-resource-waiting", uuid=task_id, **record)
+        except Exception as exc:  # the job is published either way; say why it waits in the log
+            log.warning("ojs-ml: could not record that %s waits (%s): %s", task_id, record, exc)
+        log.info("ojs-ml: %s waits: %s", task_id, record["reason"])
 
     # -- submission of OJS documents -------------------------------------------------------
 
@@ -171,3 +203,13 @@ def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:
     timeout = headers.get("ext_ml_timeout_seconds")
     if isinstance(timeout, int) and timeout > 0:
         headers["timelimit"] = (timeout, None)
+
+
+def _record_pending(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """`before_task_publish`: the router found no live worker; record why the job waits."""
+    plugin = getattr(_ROUTED, "plugin", None)
+    if plugin is None:
+        return
+    _ROUTED.plugin = None
+    if headers and headers.get(HEADER_PENDING):
+        plugin.mark_pending(headers)

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 HEADER_CLASS = "ojs_class"
 HEADER_BAND = "ojs_band"
 HEADER_LOGICAL = "ojs_logical_queue"
+HEADER_PENDING = "ojs_pending"
+"""Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
 
 
@@ -82,7 +84,9 @@ class MLRouter:
     ) -> dict[str, Any]:
         cid, band_name = class_id(req), band(req)
         self.plugin.register_class(cid, hard_constraints(req), logical)
-        self.plugin.check_satisfiable(req, cid, logical)
+        reason = self.plugin.check_satisfiable(req, cid, logical)
+        if reason is not None:
+            headers[HEADER_PENDING] = reason
         headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
         queue = ml_queue(queue_name(logical, cid, band_name))
         options["queue"] = queue  # an explicit queue= names the logical queue, not the destination

@@ -8,9 +8,9 @@ silently turns a feature off.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.envelope import ParseOptions
@@ -38,12 +38,34 @@ class OJSMLSettings(BaseModel):
     """How often a worker looks for newly registered requirement classes."""
     max_hold_s: float = Field(default=10.0, gt=0)
     """Longest a worker holds a message that no longer fits before requeueing it."""
+    recycle_gpu_children: Literal["cuda", "always", "never"] = "cuda"
+    """GPU prefork workers: retire children that initialised CUDA, every child, or none."""
+    require_pinning: bool = False
+    """Refuse to start a GPU worker whose pool cannot pin devices (anything but prefork)."""
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    """A running ML job's lease expires this long after its worker's last heartbeat."""
+    max_crashes: int = Field(default=3, ge=0)
+    """Re-publish a job whose worker died at most this often, then dead-letter it."""
+    max_preemptions: int | None = Field(default=None, ge=0)
+    """Past this many preemptions a job is no longer preemptible (None: no cap)."""
+    allow_on_demand_preemption: bool = False
+    """Let reserved jobs preempt preemptible on-demand jobs (spot is always preemptible)."""
+    checkpoint_storage_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """URI prefix -> fsspec storage options for checkpoint payloads (docs/checkpoint.md)."""
     locality_weight: int = Field(default=50, ge=0, le=100)
     """Weight of model locality in the 0-100 score (§11.3)."""
     queue_policies: dict[str, QueuePolicy] = Field(default_factory=dict)
     """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
     bounds: dict[str, Any] = Field(default_factory=dict)
     """Upper bounds and allow-lists (§15), collected from `ojs_ml_max_*` etc."""
+
+    @field_validator("recycle_gpu_children", mode="before")
+    @classmethod
+    def _recycle_from_bool(cls, value: Any) -> Any:
+        """True means the safe default ("cuda"), False means "never"."""
+        if isinstance(value, bool):
+            return "cuda" if value else "never"
+        return value
 
     def parse_options(self) -> ParseOptions:
         """The validator options these settings imply."""

@@ -10,22 +10,36 @@ Key decisions (research/celery-internals.md §1-§4):
   `on_success`/`on_failure`/`on_timeout` wrappers keyed by the Request object.
 * A worker consumes a (class, band) queue only while the class fits its free
   capacity, so it never hoards jobs another worker could start now.
+* All gate state is guarded by one re-entrant lock: under prefork everything
+  runs on the event loop anyway, but under the threads pool (and the embedded
+  demo) completions arrive on pool threads and timers on the timer thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
+import threading
+import time
+import uuid
 from typing import Any
 
 import click
+from billiard.exceptions import Terminated
 from celery import Celery, bootsteps, signals
-from celery.worker.control import inspect_command
+from celery.exceptions import Ignore, Reject, Retry
+from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
-from celery_ojs_ml.integration.routing import HEADER_CLASS, ml_queue, queue_name
+from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.integration import child
+from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
+from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
+from celery_ojs_ml.integration.preemption import Preemptions
+from celery_ojs_ml.integration.routing import HEADER_CLASS, HEADER_PENDING, ml_queue, queue_name
+from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.spec.normalize import normalize
@@ -34,6 +48,7 @@ from celery_ojs_ml.spec.resources import MLRequirements
 log = logging.getLogger(__name__)
 GATES: dict[str, MLWorker] = {}
 _REQ_CACHE: dict[str, MLRequirements] = {}
+_CAPS_CACHE: dict[str | None, Capabilities] = {}
 
 
 def install(app: Celery) -> None:
@@ -46,13 +61,90 @@ def install(app: Celery) -> None:
         )
     )
     app.steps["consumer"].add(MLWorker)
-    signals.task_prerun.connect(_pin_devices, weak=False)
-    signals.task_postrun.connect(_unpin_devices, weak=False)
+    signals.task_prerun.connect(child.pin_devices, weak=False)
+    signals.task_postrun.connect(child.unpin_devices, weak=False)
+    signals.celeryd_init.connect(configure_child_recycling, weak=False)
+    signals.worker_process_init.connect(_child_init, weak=False)
+    signals.task_prerun.connect(_child_prerun, weak=False)
+    from celery_ojs_ml.integration import control  # noqa: F401  (registers the commands)
+
+
+def capabilities_for(value: str | None) -> Capabilities:
+    """Resolve `--ojs-ml-capabilities` once per process (the probe is not free)."""
+    if value not in _CAPS_CACHE:
+        _CAPS_CACHE[value] = resolve_capabilities(value)
+    return _CAPS_CACHE[value]
+
+
+def is_prefork(pool: Any) -> bool:
+    """Whether a pool (class, instance or name) is billiard's prefork pool."""
+    if pool is None:
+        return False
+    if isinstance(pool, str):
+        return pool in ("prefork", "processes")
+    return "prefork" in (getattr(pool, "__module__", "") or "")
+
+
+def configure_child_recycling(
+    sender: Any = None,
+    conf: Any = None,
+    options: Any = None,
+    instance: Any = None,
+    **_: Any,
+) -> None:
+    """`celeryd_init`: make sure no pool child reuses CUDA bound to other devices.
+
+    CUDA binds `CUDA_VISIBLE_DEVICES` when a process first initialises it.
+    `ojs_ml_recycle_gpu_children`:
+    * "cuda" (default): a child is retired after any task that left the CUDA
+      driver loaded in it (`child.install_cuda_retirement`); others are reused.
+    * "always": `worker_max_tasks_per_child=1`, one task per child.
+    * "never": children are reused; only safe when tasks never initialise CUDA.
+    """
+    app = getattr(instance, "app", None) or getattr(sender, "app", None)
+    options = options or {}
+    plugin = getattr(app, "ojs_ml", None) if app is not None else None
+    mode = plugin.settings.recycle_gpu_children if plugin is not None else "cuda"
+    caps = capabilities_for(options.get("ojs_ml_capabilities"))
+    pool = options.get("pool_cls") or (conf.worker_pool if conf is not None else None)
+    child.RECYCLE["mode"] = "never"
+    if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
+        return
+    if mode == "cuda" and not child.billiard_can_retire():
+        log.warning("ojs-ml: this billiard cannot retire CUDA children; one task per child")
+        mode = "always"
+    child.RECYCLE["mode"] = mode
+    if mode == "cuda":
+        if not (options.get("max_memory_per_child") or conf.worker_max_memory_per_child):
+            conf.worker_max_memory_per_child = child.NO_LIMIT_KB
+        return
+    given = options.get("max_tasks_per_child") or conf.worker_max_tasks_per_child
+    if given not in (None, 1):
+        log.warning(
+            "ojs-ml: worker_max_tasks_per_child=%s on a GPU worker; forcing 1 because "
+            'ojs_ml_recycle_gpu_children="always"',
+            given,
+        )
+    conf.worker_max_tasks_per_child = 1
+
+
+def _child_init(**_: Any) -> None:
+    """`worker_process_init`: the preemption flag on SIGUSR2, and CUDA retirement."""
+    from celery_ojs_ml.checkpoint import install_child_handler
+
+    install_child_handler()
+    if child.RECYCLE["mode"] == "cuda":
+        child.install_cuda_retirement()
+
+
+def _child_prerun(**_: Any) -> None:
+    from celery_ojs_ml.checkpoint import reset_flag
+
+    reset_flag()
 
 
 def _requirements(headers: dict[str, Any]) -> MLRequirements | None:
-    cid = headers.get(HEADER_CLASS)
-    if not cid:
+    if not headers.get(HEADER_CLASS):
         return None
     attrs = {k: v for k, v in headers.items() if k.startswith("ext_ml_")}
     key = repr(sorted(attrs.items()))
@@ -73,47 +165,78 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(c, **kwargs)
         self.c = c
         self.app = c.app
-        self.caps: Capabilities = resolve_capabilities(ojs_ml_capabilities)
-        self.prefork = _is_prefork(c)
-        self.allocator = Allocator(self.caps)
+        self.settings = self.app.ojs_ml.settings
+        self.caps: Capabilities = capabilities_for(ojs_ml_capabilities)
+        self.prefork = is_prefork(getattr(c, "pool", None))
+        self._check_pool()
+        self.allocator = Allocator(
+            self.caps, allow_on_demand_preemption=self.settings.allow_on_demand_preemption
+        )
+        self.preemptions = Preemptions(self)
+        self.hold_until: dict[Any, float] = {}
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
         self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
         self.version = -1
+        self.lock = threading.RLock()
+        self.incarnation = uuid.uuid4().hex
+        self.tokens: dict[Any, str] = {}
         self._timers: list[Any] = []
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
         GATES[self.hostname] = self
 
+    def _check_pool(self) -> None:
+        if self.prefork or not self.caps.gpu_count:
+            return
+        message = (
+            "the worker pool is not prefork, so CUDA_VISIBLE_DEVICES (process-wide) cannot "
+            "pin GPUs per task; tasks get their devices in self.request.ojs_devices instead. "
+            "Run the worker with --pool prefork for pinning"
+        )
+        if self.settings.require_pinning:
+            raise ConfigError(f"ojs_ml_require_pinning is True but {message}")
+        log.warning("ojs-ml: %s", message)
+
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, c: Any) -> None:
-        plugin = self.app.ojs_ml
-        s = plugin.settings
-        self.store = plugin.store
-        self.version = -1
-        self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
-        self.refresh()
+        s = self.settings
+        self.store = self.app.ojs_ml.store
+        self.leases = LeaseBook(self.store, s.lease_ttl_s)
+        self.recover_own()
+        with self.lock:
+            self.version = -1
+            self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
+            self.refresh()
         self.advertise()
         self._timers = [
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
             c.timer.call_repeatedly(s.heartbeat_s, self.advertise),
-            c.timer.call_repeatedly(1.0, self.expire_holds),
+            c.timer.call_repeatedly(s.heartbeat_s, self.tend_leases),
+            c.timer.call_repeatedly(min(1.0, s.max_hold_s / 4), self.expire_holds),
         ]
+        maintain = getattr(c.pool, "maintain_pool", None)
+        if self.prefork and self.caps.gpu_count and maintain is not None:
+            # Children are recycled after every GPU task; billiard replaces them on its
+            # own 5 s timer when an exit is missed, so look more often (cheap when idle).
+            self._timers.append(c.timer.call_repeatedly(0.2, maintain))
         log.info("ojs-ml: %s", self.banner())
 
     def stop(self, c: Any) -> None:
         for timer in self._timers:
             timer.cancel()
         self._timers = []
-        for pending in self.allocator.held():
-            self.allocator.cancel(pending.key)
-            self._release_hold(pending.key)
+        with self.lock:
+            for pending in self.allocator.held():
+                self.allocator.cancel(pending.key)
+                self._leave_hold(pending.key)
+            self.subscribed = set()
 
     def shutdown(self, c: Any) -> None:
         try:
             self.store.forget_worker(self.hostname)
-        except Exception:  # the broker/store may already be gone at shutdown
+        except Exception:  # the store may already be gone at shutdown
             log.debug("ojs-ml: could not deregister %s", self.hostname)
         GATES.pop(self.hostname, None)
 
@@ -122,77 +245,99 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         return {"ojs_ml": self.snapshot()}
 
     def banner(self) -> str:
-        """One line describing the worker for logs and the start banner."""
+        """One line describing the worker for logs."""
         labels = self.caps.derived_labels()
         gpus = (
             f"{self.caps.gpu_count}x {labels.get('gpu_type', 'gpu')}"
             if self.caps.gpu_count
             else "no GPU"
         )
-        return f"{self.hostname}: {labels.get('accelerator')} worker, {gpus}, pool pinning " + (
-            "CUDA_VISIBLE_DEVICES" if self.prefork else "off (one GPU job at a time)"
-        )
+        pinning = "CUDA_VISIBLE_DEVICES per task" if self.prefork else "off (request.ojs_devices)"
+        return f"{self.hostname}: {labels.get('accelerator')} worker, {gpus}, pinning {pinning}"
 
     def snapshot(self) -> dict[str, Any]:
-        """Capabilities, free capacity, allocations and held jobs."""
-        return {
-            "capabilities": capabilities_to_dict(self.caps),
-            "allocator": self.allocator.snapshot(),
-            "queues": sorted(self.subscribed),
-        }
+        """Capabilities, free capacity, allocations, held jobs and subscribed queues."""
+        with self.lock:
+            return {
+                "capabilities": capabilities_to_dict(self.caps)["capabilities"],
+                "labels": self.caps.derived_labels(),
+                "allocator": self.allocator.snapshot(),
+                "queues": sorted(self.subscribed),
+                "pinning": self.prefork,
+            }
 
     # -- advertisement and subscription -------------------------------------------------------
 
     def advertise(self) -> None:
         """Heartbeat: capabilities and free capacity into the live-worker registry."""
-        s = self.app.ojs_ml.settings
-        snap = self.allocator.snapshot()
-        self.store.advertise(
-            self.hostname,
-            capabilities_to_dict(self.caps),
-            snap,
-            ttl_s=3 * s.heartbeat_s,
-            info={"pid": os.getpid()},
-        )
-        self.store.set_held(
-            self.hostname, [p.as_dict() for p in self.allocator.held()], ttl_s=3 * s.heartbeat_s
-        )
+        ttl = 3 * self.settings.heartbeat_s
+        with self.lock:
+            snap = self.allocator.snapshot()
+            held = [p.as_dict() for p in self.allocator.held()]
+        try:
+            self.store.advertise(
+                self.hostname,
+                capabilities_to_dict(self.caps),
+                snap,
+                ttl_s=ttl,
+                info={"pid": os.getpid(), "pinning": self.prefork},
+            )
+            self.store.set_held(self.hostname, held, ttl_s=ttl)
+        except Exception as exc:  # a store outage must not stop the worker
+            log.warning("ojs-ml: advertisement failed: %s", exc)
 
     def refresh(self) -> None:
         """Pick up new classes and (re)apply the queues that fit free capacity now."""
-        version = self.store.classes_version()
-        if version != self.version:
-            self.classes = {
-                cid: (normalize(entry["constraints"]).requirements, list(entry.get("queues", [])))
-                for cid, entry in self.store.classes().items()
-            }
-            self.version = version
+        try:
+            version = self.store.classes_version()
+            if version != self.version:
+                classes = {
+                    cid: (
+                        normalize(entry["constraints"]).requirements,
+                        list(entry.get("queues", [])),
+                    )
+                    for cid, entry in self.store.classes().items()
+                }
+                with self.lock:
+                    self.classes, self.version = classes, version
+        except Exception as exc:
+            log.warning("ojs-ml: could not read the class registry: %s", exc)
         self.resubscribe()
 
     def wanted_queues(self) -> set[str]:
         """Every (class, band) queue this worker can ever run and that fits free capacity."""
         free = self.allocator.free_capacity()
         wanted: set[str] = set()
+        if self.allocator.held():
+            return wanted  # fetch nothing more until the held jobs have started
+        room = {b: self.allocator.preemptible_capacity(b) for b in BANDS[:-1]}
         for cid, (req, queues) in self.classes.items():
-            if match(req, self.caps, free).verdict is not Verdict.FITS:
-                continue
-            for logical in queues:
-                wanted.update(queue_name(logical, cid, b) for b in BANDS)
+            fits_now = match(req, self.caps, free).verdict is Verdict.FITS
+            for b in BANDS:
+                if not fits_now and (
+                    b not in room or match(req, self.caps, room[b]).verdict is not Verdict.FITS
+                ):
+                    continue  # a higher band also comes when preempting lower bands makes room
+                wanted.update(queue_name(logical, cid, b) for logical in queues)
         return wanted
 
     def resubscribe(self) -> None:
-        tc = self.c.task_consumer
-        if tc is None:
-            return
-        wanted = self.wanted_queues()
-        for name in sorted(self.subscribed - wanted):
-            tc.cancel_by_queue(name)
-        added = sorted(wanted - self.subscribed)
-        for name in added:
-            tc.add_queue(ml_queue(name))
+        """Consume exactly the wanted queues, on this consumer only."""
+        with self.lock:
+            tc = self.c.task_consumer
+            if tc is None:
+                return
+            wanted = self.wanted_queues()
+            for name in sorted(self.subscribed - wanted):
+                tc.cancel_by_queue(name)
+            added = sorted(wanted - self.subscribed)
+            for name in added:
+                tc.add_queue(ml_queue(name))
+            if added:
+                tc.consume()
+            self.subscribed = wanted
         if added:
-            tc.consume()
-        self.subscribed = wanted
+            wake_consumer(tc)
 
     # -- the gate -------------------------------------------------------------------------------
 
@@ -201,13 +346,20 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         ml = _requirements(headers)
         if ml is None:
             return self._orig_handler(req)
-        outcome = self.allocator.try_alloc(req, req.id, ml, priority=band_priority(headers))
-        return self._handle(req, outcome)
+        with self.lock:
+            ml = self.preemptions.cap(ml, headers)
+            outcome = self.allocator.try_alloc(req, req.id, ml, priority=band_priority(headers))
+            if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:
+                grace = self.preemptions.make_room(ml, outcome.band)
+                if grace is not None:  # hold it until the victims have yielded or been killed
+                    self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
+            return self._handle(req, outcome)
 
     def _handle(self, req: Any, outcome: Allocation | Pending | Denied) -> Any:
         if isinstance(outcome, Allocation):
             return self._dispatch(req, outcome)
         if isinstance(outcome, Pending):
+            log.info("ojs-ml: holding %s: %s", req.id, outcome.reason)
             self.allocator.hold(outcome)
             self.c.qos.increment_eventually()
             self.resubscribe()
@@ -215,18 +367,29 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         log.warning(
             "ojs-ml: %s cannot run %s here (%s); requeueing", self.hostname, req.id, outcome.reason
         )
-        req.reject(requeue=True)
+        self._requeue(req)
         return None
 
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
+        log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         req.request_dict["ojs_devices"] = list(alloc.devices)
         req.request_dict["ojs_node"] = self.hostname
         req.request_dict["ojs_pin"] = self.prefork
+        req.on_failure = self._failing(req, req.on_failure)
         for name in ("on_success", "on_failure"):
             setattr(req, name, self._releasing(req, getattr(req, name)))
         req.on_timeout = self._timeout_releasing(req, req.on_timeout)
+        if req.request_dict.get(HEADER_PENDING):
+            self._clear_pending(req.id)
+        self._take_lease(req, alloc)
         self.resubscribe()
         return self._orig_handler(req)
+
+    def _clear_pending(self, task_id: str) -> None:
+        try:
+            self.store.clear_pending(task_id)
+        except Exception as exc:
+            log.warning("ojs-ml: could not clear the pending record of %s: %s", task_id, exc)
 
     def _releasing(self, req: Any, original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -249,74 +412,187 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def release(self, req: Any) -> None:
         """Free a finished job's allocation, then start held jobs that now fit."""
-        if self.allocator.free(req) is None:
-            return
+        self.preemptions.finished(req)
+        with self.lock:
+            if self.allocator.free(req) is None:
+                return
+            token = self.tokens.pop(req, None)
+        if token is not None:
+            self._release_lease(req.id, token)
+        log.debug("ojs-ml: released %s", req.id)
         hub = getattr(self.c, "hub", None)
-        if hub is not None:
+        if hub is not None and threading.current_thread() is threading.main_thread():
             hub.call_soon(self.pump)
         else:
             self.pump()
 
     def pump(self) -> None:
-        for alloc in self.allocator.pump():
-            req: Any = alloc.key
-            self._release_hold(req)
-            if req.revoked():
-                self.allocator.free(req)
-                continue
-            self._dispatch(req, alloc)
-        self.resubscribe()
+        """Start held jobs that fit now, in band, priority and FIFO order."""
+        with self.lock:
+            for alloc in self.allocator.pump():
+                req: Any = alloc.key
+                self.hold_until.pop(req, None)
+                self._leave_hold(req)
+                if req.revoked():
+                    self.allocator.free(req)
+                    continue
+                self._dispatch(req, alloc)
+            self.resubscribe()
 
-    def _release_hold(self, req: Any) -> None:
+    def _leave_hold(self, req: Any) -> None:
         self.c.qos.decrement_eventually()
+
+    def _requeue(self, req: Any) -> None:
+        worker_state.task_ready(req)
+        req.reject(requeue=True)
 
     def expire_holds(self) -> None:
         """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts)."""
-        for pending in self.allocator.expired(self.app.ojs_ml.settings.max_hold_s):
-            req: Any = pending.key
-            self._release_hold(req)
-            req.reject(requeue=True)
+        with self.lock:
+            now = time.monotonic()
+            for pending in self.allocator.expired(self.settings.max_hold_s):
+                req: Any = pending.key
+                if self.hold_until.get(req, 0.0) > now:
+                    self.allocator.hold(pending)  # still waiting for its victims to yield
+                    continue
+                self.hold_until.pop(req, None)
+                self._leave_hold(req)
+                log.info("ojs-ml: %s held too long (%s); requeueing", req.id, pending.reason)
+                self._requeue(req)
+            if not self.allocator.held():
+                self.resubscribe()
+
+    # -- leases (DESIGN decision 4) -------------------------------------------------------------
+
+    def _job_record(self, req: Any, alloc: Allocation) -> dict[str, Any]:
+        headers = req.request_dict
+        return {
+            "task_id": req.id,
+            "name": req.name,
+            "args": list(req.args),
+            "kwargs": dict(req.kwargs),
+            "headers": republish_headers(headers),
+            "retries": int(headers.get("retries") or 0),
+            "worker": self.hostname,
+            "incarnation": self.incarnation,
+            "devices": list(alloc.devices),
+            "started_at": self.store._clock(),
+        }
+
+    def _take_lease(self, req: Any, alloc: Allocation) -> None:
+        """Write the job's lease, then ack its message: from now on the lease holds the job."""
+        try:
+            record = self._job_record(req, alloc)
+            json.dumps(record)
+            self.tokens[req] = self.leases.take(record)
+        except (TypeError, ValueError) as exc:
+            log.warning("ojs-ml: %s keeps its broker message (arguments not JSON: %s)", req.id, exc)
+            return
+        except Exception as exc:  # store outage: fall back to the broker's redelivery
+            log.warning("ojs-ml: could not write the lease of %s: %s", req.id, exc)
+            return
+        req.acknowledge()
+
+    def _release_lease(self, task_id: str, token: str) -> None:
+        try:
+            self.leases.release(task_id, token)
+        except Exception as exc:
+            log.warning("ojs-ml: could not release the lease of %s: %s", task_id, exc)
+
+    def tend_leases(self) -> None:
+        """Heartbeat our leases; claim and re-publish jobs whose worker died."""
+        try:
+            with self.lock:
+                mine = {req.id: token for req, token in self.tokens.items()}
+            lost = self.leases.refresh(mine)
+            if lost:
+                log.warning("ojs-ml: leases of %s were taken over by another worker", lost)
+            for task_id in self.leases.expired():
+                lease = self.leases.claim(task_id, self.hostname, self.incarnation)
+                if lease is not None:
+                    self.recover(lease, f"its worker {lease.get('worker')} stopped heartbeating")
+        except Exception as exc:
+            log.warning("ojs-ml: lease upkeep failed: %s", exc)
+
+    def recover_own(self) -> None:
+        """On start, take back the jobs a previous incarnation of this worker was running."""
+        try:
+            for task_id in self.leases.stale_of(self.hostname, self.incarnation):
+                lease = self.leases.claim(
+                    task_id, self.hostname, self.incarnation, stale_owner=self.hostname
+                )
+                if lease is not None:
+                    self.recover(lease, "this worker restarted")
+        except Exception as exc:
+            log.warning("ojs-ml: could not recover this worker's leases: %s", exc)
+
+    def recover(self, lease: dict[str, Any], why: str) -> None:
+        """Re-publish a claimed job with the same id and its last checkpoint (or dead-letter)."""
+        task_id, token = lease["task_id"], lease["claim_token"]
+        if self._already_finished(task_id):
+            self.leases.release(task_id, token)
+            return
+        crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
+        if crashes > self.settings.max_crashes:
+            dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
+            self.leases.release(task_id, token)
+            return
+        headers = republish_headers(
+            lease["headers"],
+            ojs_crashes=crashes,
+            ojs_last_checkpoint=last_checkpoint_of(self.store, task_id),
+        )
+        log.warning(
+            "ojs-ml: re-publishing %s[%s]: %s (crash %d)", lease["name"], task_id, why, crashes
+        )
+        self.app.send_task(
+            lease["name"],
+            args=lease["args"],
+            kwargs=lease["kwargs"],
+            task_id=task_id,
+            retries=lease["retries"],
+            headers=headers,
+        )
+        self.leases.release(task_id, token)
+
+    def _already_finished(self, task_id: str) -> bool:
+        backend = self.app.backend
+        if type(backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            return bool(self.app.AsyncResult(task_id).state in ("SUCCESS", "FAILURE", "REVOKED"))
+        except Exception:
+            return False
+
+    def _failing(self, req: Any, original: Any) -> Any:
+        """Failure path: re-publish a preempted job; dead-letter a checkpointed one (§14.2)."""
+
+        def wrapped(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            exc = getattr(exc_info, "exception", None)
+            exc = getattr(exc, "exc", exc)
+            if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
+                return self.preemptions.requeue(req, exc)
+            result = original(exc_info, *args, **kwargs)
+            terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
+            if terminal and req.request_dict.get("ext_ml_checkpoint_enabled"):
+                record = {
+                    "task_id": req.id,
+                    "name": req.name,
+                    "args": list(req.args),
+                    "kwargs": dict(req.kwargs),
+                    "headers": republish_headers(req.request_dict),
+                    "retries": int(req.request_dict.get("retries") or 0),
+                }
+                try:
+                    dead_letter(self.store, record, f"failed: {exc!r}")
+                except Exception as err:
+                    log.warning("ojs-ml: could not dead-letter %s: %s", req.id, err)
+            return result
+
+        return wrapped
 
 
 def band_priority(headers: dict[str, Any]) -> int:
     """The message priority inside its band (higher first)."""
     value = headers.get("priority")
     return int(value) if isinstance(value, int) else 0
-
-
-def _is_prefork(c: Any) -> bool:
-    pool = getattr(getattr(c, "pool", None), "__module__", "") or ""
-    return "prefork" in pool
-
-
-# -- child side --------------------------------------------------------------------------------
-
-_CHILD: dict[str, Any] = {"first_devices": None}
-
-
-def _pin_devices(task: Any = None, **_: Any) -> None:
-    """Set CUDA_VISIBLE_DEVICES to exactly the allocated devices before the body runs."""
-    request = getattr(task, "request", None)
-    devices = getattr(request, "ojs_devices", None)
-    if request is None or devices is None or not getattr(request, "ojs_pin", False):
-        return
-    request.ojs_saved_cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-
-
-def _unpin_devices(task: Any = None, **_: Any) -> None:
-    request = getattr(task, "request", None)
-    if request is None or not hasattr(request, "ojs_saved_cvd"):
-        return
-    saved = request.ojs_saved_cvd
-    if saved is None:
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
-@inspect_command()  # type: ignore[untyped-decorator]
-def ojs_ml_status(state: Any, **_: Any) -> dict[str, Any]:
-    """OJS ML: this worker's capabilities, allocations and held jobs."""
-    gate = GATES.get(state.hostname)
-    return gate.snapshot() if gate else {"ojs_ml": None, "host": socket.gethostname()}

@@ -427,7 +427,7 @@ def test_explain_of_an_invalid_job_exits_1(tmp_path: Path) -> None:
     assert (result.exit_code, result.stderr) == (1, f"{job}: {GPU_COUNT_0_ERROR}\n")
 
 
-# probe, schema, demo
+# probe, schema, tour
 
 
 @pytest.fixture
@@ -468,8 +468,8 @@ def test_schema_prints_the_json_schema_of_the_canonical_model() -> None:
     assert {"minimum": 0, "type": "integer"} in schema["properties"]["ext_ml_gpu_count"]["anyOf"]
 
 
-def test_demo_exits_0_and_explains_why_nothing_runs_the_impossible_job() -> None:
-    result = invoke("demo")
+def test_tour_exits_0_and_explains_why_nothing_runs_the_impossible_job() -> None:
+    result = invoke("tour")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     row = next(i for i, line in enumerate(lines) if line.startswith("zz-impossible-16x-b200 "))
@@ -484,7 +484,7 @@ def test_help_lists_every_command() -> None:
     result = invoke("--help")
     assert result.exit_code == 0
     commands = result.stdout.split("Commands:")[1].split()
-    for name in ("demo", "explain", "match", "probe", "schema", "validate"):
+    for name in ("demo", "explain", "match", "probe", "schema", "tour", "validate"):
         assert name in commands
 
 

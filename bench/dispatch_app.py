@@ -1,0 +1,119 @@
+"""The Celery app that `bench/dispatch.py` runs in real `celery worker` processes.
+
+Configured from the environment so that the plain and the plugin workers are
+the same app with one switch:
+
+    OJS_BENCH_BROKER   Redis URL of the broker (and of the plugin's store)
+    OJS_BENCH_PLUGIN   "1": install `OJSML(app)`; "0" (default): plain Celery
+    OJS_BENCH_RECYCLE  "0": `ojs_ml_recycle_gpu_children = False`; default: plugin default
+    OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
+
+Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
+`ml={"ext_ml_gpu_count": 1}`, which the plugin routes to a requirement-class
+queue and gates. Without the plugin the `ml=` option is an inert attribute.
+The body records `seq published start end pid` (wall-clock seconds) in the
+Redis list `RESULTS_KEY`; results are ignored, so the result backend costs
+nothing in either mode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery, signals
+
+RESULTS_KEY = "ojs-bench:dispatch"
+DEFAULT_BROKER = "redis://127.0.0.1:6399/0"
+_CLIENT: dict[int, redis.Redis] = {}
+"""One results connection per process (created after fork, in the pool child)."""
+
+
+def _client(url: str) -> redis.Redis:
+    pid = os.getpid()
+    client = _CLIENT.get(pid)
+    if client is None:
+        client = _CLIENT[pid] = redis.Redis.from_url(url)
+    return client
+
+
+def make_app(
+    broker: str, *, plugin: bool, recycle: bool | None = None, prefetch: int | None = None
+) -> Celery:
+    """The bench app on `broker`, with or without the plugin."""
+    app = Celery("ojsbench", broker=broker, set_as_current=False)
+    app.conf.update(
+        task_ignore_result=True,
+        task_create_missing_queues=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+    )
+    if prefetch is not None:
+        app.conf.worker_prefetch_multiplier = prefetch
+    if plugin:
+        from celery_ojs_ml import OJSML
+
+        if recycle is not None:
+            app.conf.ojs_ml_recycle_gpu_children = recycle
+        OJSML(app)
+        if recycle is False:
+            _keep_children(app)
+    _define_tasks(app, broker)
+    return app
+
+
+def _keep_children(app: Celery) -> None:
+    """Honour `ojs_ml_recycle_gpu_children=False` in a `celery worker` process.
+
+    The plugin's `celeryd_init` receiver looks for the app on `sender`/`conf`,
+    but Celery sends the hostname as `sender` and `app.conf` has no `.app`, so it
+    never sees the setting and forces `worker_max_tasks_per_child=1` anyway.
+    This receiver runs after it (receivers run in connection order) and puts the
+    configured value back, so the "recycling off" variant measures what it says.
+    It is a no-op once the plugin honours the setting itself.
+    """
+    configured = app.conf.worker_max_tasks_per_child
+
+    def restore(sender: Any = None, instance: Any = None, conf: Any = None, **_: Any) -> None:
+        if getattr(instance, "app", None) is app and conf.worker_max_tasks_per_child == 1:
+            conf.worker_max_tasks_per_child = configured
+
+    signals.celeryd_init.connect(restore, weak=False)
+
+
+def _define_tasks(app: Celery, results_url: str) -> None:
+    def body(run: str, seq: int, published: float, sleep_s: float) -> None:
+        start = time.time()
+        if sleep_s:
+            time.sleep(sleep_s)
+        end = time.time()
+        line = f"{run} {seq} {published!r} {start!r} {end!r} {os.getpid()}"
+        _client(results_url).rpush(RESULTS_KEY, line)
+
+    @app.task(name="bench.noop", shared=False)  # type: ignore[untyped-decorator]
+    def noop(run: str, seq: int, published: float, sleep_s: float = 0.0) -> None:
+        body(run, seq, published, sleep_s)
+
+    @app.task(name="bench.gpu_noop", shared=False, ml={"ext_ml_gpu_count": 1})  # type: ignore[untyped-decorator]
+    def gpu_noop(run: str, seq: int, published: float, sleep_s: float = 0.0) -> None:
+        body(run, seq, published, sleep_s)
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else value not in ("0", "false", "no")
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+app = make_app(
+    os.environ.get("OJS_BENCH_BROKER", DEFAULT_BROKER),
+    plugin=bool(_env_flag("OJS_BENCH_PLUGIN")),
+    recycle=_env_flag("OJS_BENCH_RECYCLE"),
+    prefetch=_env_int("OJS_BENCH_PREFETCH"),
+)

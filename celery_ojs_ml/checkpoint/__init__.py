@@ -1,0 +1,88 @@
+"""Task-side checkpoints and preemption: resume, two-phase save, retention, the preemption flag.
+
+    from celery_ojs_ml import checkpoint
+
+    @app.task(bind=True, ml={"ext_ml_checkpoint_enabled": True,
+                             "ext_ml_checkpoint_storage_uri": "s3://bucket/ckpt/"})
+    def train(self, epochs):
+        ckpt = checkpoint(self)
+        last = ckpt.resume()
+        for epoch in range(last.epoch + 1 if last else 0, epochs):
+            ...
+            if ckpt.due() or ckpt.preempt_requested:
+                ckpt.save(epoch=epoch, step=step, loss=loss, files={"model.pt": buf})
+            ckpt.yield_if_preempted()
+
+Key decision: the package shares its name with the `checkpoint()` function
+that `celery_ojs_ml` re-exports. Once any submodule is imported, Python binds
+`celery_ojs_ml.checkpoint` to this package, so `from celery_ojs_ml import
+checkpoint` can return the package instead of the function. The package is
+therefore callable and does what the function does, whichever of the two a
+task ends up holding. See docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from celery_ojs_ml.checkpoint.helper import Checkpointer
+from celery_ojs_ml.checkpoint.model import CheckpointError, CheckpointMeta, CheckpointSettings
+from celery_ojs_ml.checkpoint.preempt import (
+    Preempted,
+    clear_preemption,
+    flag_set,
+    install_child_handler,
+    preemption_request,
+    preemption_requested,
+    request_preemption,
+    reset_flag,
+)
+from celery_ojs_ml.checkpoint.retention import (
+    delete_checkpoints,
+    last_checkpoint,
+    list_checkpoints,
+)
+from celery_ojs_ml.checkpoint.storage import (
+    clear_storage_options,
+    register_storage_options,
+    storage_options_for,
+)
+from celery_ojs_ml.checkpoint.task import HEADER_LAST, RESUME_FROM, checkpoint
+from celery_ojs_ml.checkpoint.writer import CheckpointWriter
+
+__all__ = [
+    "HEADER_LAST",
+    "RESUME_FROM",
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointSettings",
+    "CheckpointWriter",
+    "Checkpointer",
+    "Preempted",
+    "checkpoint",
+    "clear_preemption",
+    "clear_storage_options",
+    "delete_checkpoints",
+    "flag_set",
+    "install_child_handler",
+    "last_checkpoint",
+    "list_checkpoints",
+    "preemption_request",
+    "preemption_requested",
+    "register_storage_options",
+    "request_preemption",
+    "reset_flag",
+    "storage_options_for",
+]
+
+
+class _CallablePackage(types.ModuleType):
+    """This package, callable as `checkpoint(task)` (see the module docstring)."""
+
+    def __call__(self, task: Any) -> Checkpointer:
+        return checkpoint(task)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

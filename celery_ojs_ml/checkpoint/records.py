@@ -1,0 +1,128 @@
+"""Checkpoint metadata in Redis: sequence numbers, the atomic commit, retention (OJS ML §9.2).
+
+Key decisions:
+- The commit is one MULTI/EXEC, one round trip: it sets `last`, appends to
+  the FIFO `history` and trims what falls beyond `max_count`, so a reader sees
+  either the old or the new checkpoint, never a mix. MULTI rather than Lua
+  keeps fakeredis (without lupa) working.
+- Eviction is a queue, not a side effect of the commit: the trimmed entries
+  go onto `expired` right after the commit, their payloads are deleted after
+  that, and an entry leaves the queue only once its payload is gone. A failed
+  delete is retried on the next save and can never un-commit anything. A
+  process that dies between the commit and the push to `expired` leaks those
+  payloads (orphans, like an uncommitted payload; `delete_checkpoints` with
+  the storage URI removes them); it never loses or corrupts a commit.
+- Sequence numbers only name payload directories, so gaps are harmless: each
+  commit allocates the next one in its own round trip, and a save pays no
+  extra round trip for it.
+- Only committed metadata is ever read for resume; an uploaded payload whose
+  commit never happened is invisible here (§9.2 "treated as non-existent").
+
+Layout (prefix `ojs`, job id `<job>`):
+    ojs:{ml}:ckpt:<job>:seq      int     last allocated sequence number (INCR; gaps are fine)
+    ojs:{ml}:ckpt:<job>:last     string  §9.2 `last_checkpoint` JSON
+    ojs:{ml}:ckpt:<job>:history  list    committed checkpoints, oldest first (<= max_count)
+    ojs:{ml}:ckpt:<job>:expired  list    evicted checkpoints whose payload is still to delete
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ojs_ml.checkpoint.model import CheckpointMeta
+from celery_ojs_ml.store import OJSStore
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The Redis keys of one job's checkpoints."""
+
+    seq: str
+    last: str
+    history: str
+    expired: str
+
+    @classmethod
+    def of(cls, store: OJSStore, job_id: str) -> Keys:
+        """The keys of `job_id` in `store`."""
+        return cls(
+            seq=store.key("ckpt", job_id, "seq"),
+            last=store.key("ckpt", job_id, "last"),
+            history=store.key("ckpt", job_id, "history"),
+            expired=store.key("ckpt", job_id, "expired"),
+        )
+
+    def all(self) -> tuple[str, ...]:
+        """Every key, for deletion."""
+        return (self.seq, self.last, self.history, self.expired)
+
+
+def next_sequence(store: OJSStore, job_id: str) -> int:
+    """Allocate the next sequence number of `job_id` (1, 2, ...); never reused."""
+    return int(store.client.incr(Keys.of(store, job_id).seq))
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What a commit reports back."""
+
+    queued: int
+    """Retired checkpoints whose payload is still to delete."""
+    next_sequence: int
+    """A sequence number allocated in the same round trip, for the job's next save."""
+
+
+def commit(store: OJSStore, meta: CheckpointMeta, max_count: int) -> Committed:
+    """Record `meta` as the job's last checkpoint and retire what exceeds `max_count`."""
+    keys = Keys.of(store, meta.job_id)
+    record = meta.to_json()
+    with store.client.pipeline(transaction=True) as pipe:
+        pipe.set(keys.last, record)
+        pipe.rpush(keys.history, record)
+        pipe.lrange(keys.history, 0, -(max_count + 1))
+        pipe.ltrim(keys.history, -max_count, -1)
+        pipe.llen(keys.expired)
+        pipe.incr(keys.seq)
+        _, _, evicted, _, queued, next_sequence = pipe.execute()
+    if evicted:
+        queued = store.client.rpush(keys.expired, *evicted)
+    return Committed(int(queued), int(next_sequence))
+
+
+def last_checkpoint(store: OJSStore, job_id: str) -> CheckpointMeta | None:
+    """The committed `last_checkpoint` of `job_id`, or None."""
+    raw = store.client.get(Keys.of(store, job_id).last)
+    return CheckpointMeta.from_json(_bytes(raw)) if raw is not None else None
+
+
+def list_checkpoints(store: OJSStore, job_id: str) -> list[CheckpointMeta]:
+    """The retained committed checkpoints of `job_id`, oldest first."""
+    raw: list[Any] = store.client.lrange(Keys.of(store, job_id).history, 0, -1)
+    return [CheckpointMeta.from_json(_bytes(r)) for r in raw]
+
+
+def expired(store: OJSStore, job_id: str) -> list[tuple[str, CheckpointMeta]]:
+    """Evicted checkpoints whose payload is still to delete, with their raw records."""
+    raw: list[Any] = store.client.lrange(Keys.of(store, job_id).expired, 0, -1)
+    return [(_bytes(r).decode(), CheckpointMeta.from_json(_bytes(r))) for r in raw]
+
+
+def forget_expired(store: OJSStore, job_id: str, raw: str) -> None:
+    """Drop one entry from the eviction queue once its payload is gone."""
+    store.client.lrem(Keys.of(store, job_id).expired, 1, raw)
+
+
+def drop_all(store: OJSStore, job_id: str) -> list[CheckpointMeta]:
+    """Delete every record of `job_id` atomically; returns the checkpoints that were known."""
+    keys = Keys.of(store, job_id)
+    with store.client.pipeline(transaction=True) as pipe:
+        pipe.lrange(keys.history, 0, -1)
+        pipe.lrange(keys.expired, 0, -1)
+        pipe.delete(*keys.all())
+        history, queued, _ = pipe.execute()
+    return [CheckpointMeta.from_json(_bytes(r)) for r in [*queued, *history]]
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)

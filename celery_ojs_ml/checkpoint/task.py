@@ -1,0 +1,101 @@
+"""`checkpoint(self)`: the `Checkpointer` of a running bound Celery task.
+
+Key decisions:
+- Settings come from the request first: the router stamps the canonical
+  `ext_ml_*` attributes into the message headers, and Celery exposes custom
+  headers both as request attributes and in `request.headers` (eager `apply()`
+  puts them only in the latter). The task's `ml=` option fills what the
+  message lacks, so a task called without the router still checkpoints.
+- Events are `ojs-checkpoint-*`, never `task-*`: a custom `task-<x>` event
+  would leave a sticky state in Flower (research/celery-internals.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery_ojs_ml.checkpoint.helper import Checkpointer, Emit
+from celery_ojs_ml.checkpoint.model import SETTING_KEYS, STORAGE_URI, CheckpointSettings
+from celery_ojs_ml.checkpoint.storage import storage_options_for
+from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
+from celery_ojs_ml.store import OJSStore
+
+HEADER_LAST = "ojs_last_checkpoint"
+"""Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""
+RESUME_FROM = "ext_mlx_training_resume_from"
+"""OJS ML Extensions §5.1: a checkpoint URI to resume training from."""
+
+
+def checkpoint(task: Any) -> Checkpointer:
+    """The checkpoint helper of the running task; call it as `checkpoint(self)` in a bound task."""
+    request = getattr(task, "request", None)
+    job_id = getattr(request, "id", None)
+    if not job_id:
+        raise ConfigError(
+            "checkpoint(self) needs the running task's request id; declare the task with "
+            "bind=True and call it inside the task body, e.g. "
+            "@app.task(bind=True, ml={...}) def train(self): ckpt = checkpoint(self)"
+        )
+    attrs = _declared(task, request)
+    conf = task.app.conf
+    settings = CheckpointSettings.from_attrs(
+        attrs,
+        bounds=_bounds(task.app),
+        storage_options=_options(attrs.get(STORAGE_URI), conf),
+    )
+    return Checkpointer(
+        str(job_id),
+        settings,
+        _store(task.app),
+        emit=_emitter(task),
+        header_last=_header(request, HEADER_LAST),
+        resume_from=attrs.get(RESUME_FROM),
+        app_conf=conf,
+    )
+
+
+def _declared(task: Any, request: Any) -> dict[str, Any]:
+    attrs = {k: v for k, v in (getattr(task, "ml", None) or {}).items() if v is not None}
+    for key in (*SETTING_KEYS, RESUME_FROM):
+        value = _header(request, key)
+        if value is not None:
+            attrs[key] = value
+    return attrs
+
+
+def _header(request: Any, key: str) -> Any:
+    value = getattr(request, key, None)
+    if value is None:
+        headers = getattr(request, "headers", None)
+        value = headers.get(key) if isinstance(headers, Mapping) else None
+    return value
+
+
+def _options(uri: Any, conf: Mapping[str, Any]) -> dict[str, Any]:
+    return storage_options_for(uri, conf) if isinstance(uri, str) else {}
+
+
+def _bounds(app: Any) -> Bounds:
+    plugin = getattr(app, "ojs_ml", None)
+    options = getattr(plugin, "parse_options", None) if plugin is not None else None
+    bounds = getattr(options, "bounds", None)
+    return bounds if isinstance(bounds, Bounds) else DEFAULT_BOUNDS
+
+
+def _store(app: Any) -> OJSStore:
+    store = getattr(getattr(app, "ojs_ml", None), "store", None)
+    if not isinstance(store, OJSStore):
+        raise ConfigError(
+            "checkpoint(self) keeps its metadata in the OJS ML store, but the app has no "
+            "OJS ML plugin; install it, e.g. `OJSML(app)` with app.conf.ojs_ml_store_url set"
+        )
+    return store
+
+
+def _emitter(task: Any) -> Emit:
+    def emit(event: str, fields: dict[str, Any]) -> None:
+        task.send_event(event, **fields)
+
+    return emit

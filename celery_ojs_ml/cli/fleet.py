@@ -1,0 +1,235 @@
+"""The live fleet as `celery ojs-ml status` and `explain TASK_ID` see it: gather, locate, render.
+
+Key decision: two sources are merged. Inspect replies (`ojs_ml_status`) are
+fresh and authoritative for the workers that answer; the store's live registry
+(heartbeats) also lists workers that are alive but do not answer in time, and
+holds the pending records of jobs no live worker could run. A worker found only
+in the store is shown as "not answering", with its last advertised state.
+The report is one JSON-able dict, so `--json` and the text view cannot disagree.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.errors import SpecError
+from celery_ojs_ml.matching.filters import FreeCapacity, fmt
+
+if TYPE_CHECKING:  # the offline verbs share this package and should not pay for importing Celery
+    from celery_ojs_ml.integration.plugin import OJSML
+
+ANSWERING, NOT_ANSWERING, NO_GATE = "answering", "not answering", "no ojs-ml gate"
+_FREE_FIELDS = {"gpus": "gpu_count", "cpu_cores": "cpu_cores", "memory_gb": "memory_gb"}
+_WIDTH = 100
+_PINNING: dict[Any, str] = {True: "CUDA_VISIBLE_DEVICES per task", False: "off (not prefork)"}
+
+
+def inspect_status(plugin: OJSML, timeout: float) -> dict[str, dict[str, Any]]:
+    """`{worker: ojs_ml_status reply}` from every worker that answers within `timeout` s."""
+    replies = plugin.app.control.broadcast("ojs_ml_status", reply=True, timeout=timeout) or []
+    return {name: body for reply in replies for name, body in reply.items()}
+
+
+def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
+    """The status report: `{"workers": {name: view}, "pending": {task_id: record}, "errors"}`."""
+    replies = inspect_status(plugin, timeout)
+    errors: list[str] = []
+    try:
+        store = plugin.store
+        live, pending, held = store.live_workers(), store.pending(), store.held()
+    except Exception as exc:  # the inspect half is still worth showing
+        errors.append(f"store unavailable: {exc}")
+        live, pending, held = {}, {}, {}
+    now = time.time()
+    workers = {
+        name: _view(replies.get(name), live.get(name), held.get(name), now)
+        for name in sorted(set(replies) | set(live))
+    }
+    return {"workers": workers, "pending": pending, "errors": errors, "time": now}
+
+
+def _view(
+    reply: dict[str, Any] | None,
+    live: dict[str, Any] | None,
+    held: list[dict[str, Any]] | None,
+    now: float,
+) -> dict[str, Any]:
+    if reply is not None and "error" not in reply:
+        alloc = reply.get("allocator", {})
+        return {
+            "state": ANSWERING,
+            "capabilities": reply.get("capabilities", {}),
+            "labels": reply.get("labels", {}),
+            **_allocator_part(alloc, alloc.get("held", [])),
+            "queues": reply.get("queues", []),
+            "pinning": reply.get("pinning"),
+        }
+    if live is None:  # answers inspect, but runs without the plugin's gate
+        return {"state": NO_GATE, "error": (reply or {}).get("error", "no reply")}
+    caps_doc = live.get("capabilities", {})
+    alloc = live.get("free", {})
+    return {
+        "state": NOT_ANSWERING,
+        "capabilities": caps_doc.get("capabilities", caps_doc),
+        "labels": _labels(caps_doc),
+        **_allocator_part(alloc, held if held is not None else alloc.get("held", [])),
+        "queues": [],
+        "pinning": live.get("info", {}).get("pinning"),
+        "heartbeat_age_s": round(now - float(live.get("ts", now)), 1),
+    }
+
+
+def _allocator_part(alloc: dict[str, Any], held: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "capacity": alloc.get("capacity", {}),
+        "free": alloc.get("free", {}),
+        "devices": alloc.get("devices", {}),
+        "allocations": alloc.get("allocations", []),
+        "held": held,
+    }
+
+
+def _labels(caps_doc: dict[str, Any]) -> dict[str, str]:
+    try:
+        return parse_capabilities(caps_doc).derived_labels()
+    except SpecError:
+        return {}
+
+
+# -- explain: the live workers for matching, and where a task id is ------------------------
+
+
+def live_fleet(plugin: OJSML) -> tuple[dict[str, Capabilities], dict[str, FreeCapacity]]:
+    """The store's live workers (the router's own view) with their advertised free capacity."""
+    fleet: dict[str, Capabilities] = {}
+    free: dict[str, FreeCapacity] = {}
+    for name, entry in sorted(plugin.store.live_workers().items()):
+        fleet[name] = parse_capabilities(entry["capabilities"], worker_id=name)
+        counts = entry.get("free", {}).get("free", {})
+        free[name] = FreeCapacity(
+            **{field: counts.get(key) for field, key in _FREE_FIELDS.items()},
+            tpu_chips=counts.get("tpu_chip_count") or None,
+        )
+    return fleet, free
+
+
+def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
+    """Where a task is: waiting (pending record), running or held on a worker, else unknown."""
+    record = report["pending"].get(task_id)
+    if record is not None:
+        return {"task_id": task_id, "state": "waiting", **record}
+    for name, view in report["workers"].items():
+        for alloc in view.get("allocations", []):
+            if alloc.get("task_id") == task_id:
+                return {"task_id": task_id, "state": "running", "worker": name, **alloc}
+        for held in view.get("held", []):
+            if held.get("task_id") == task_id:
+                return {"task_id": task_id, "state": "held", "worker": name, **held}
+    return {"task_id": task_id, "state": "unknown"}
+
+
+def render_location(found: dict[str, Any], now: float) -> str:
+    """One line (two for waiting jobs) saying where a task is and why."""
+    tid, state = found["task_id"], found["state"]
+    if state == "waiting":
+        return f"{tid} waits ({_job_facts(found, now)}):\n    {found.get('reason')}"
+    if state == "running":
+        gpus = ", ".join(str(d) for d in found.get("devices", [])) or "none"
+        return f"{tid} runs on {found['worker']} with GPU(s) {gpus} (band {found.get('band')})"
+    if state == "held":
+        return f"{tid} is held on {found['worker']} (band {found.get('band')}): {found['reason']}"
+    return (
+        f"{tid} is unknown: no pending record, and no answering ojs-ml worker runs or holds it "
+        "(it may have finished, never been published, or still sit in a queue)"
+    )
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def render_status(report: dict[str, Any]) -> str:
+    """The human view: one block per worker, then the waiting jobs with their reasons."""
+    blocks = [_worker_block(name, view) for name, view in report["workers"].items()]
+    if not blocks:
+        blocks = ["no ojs-ml workers: none answered inspect and the store lists none live"]
+    blocks.append(_pending_block(report["pending"], report["time"]))
+    blocks.extend(f"warning: {e}" for e in report["errors"])
+    return "\n\n".join(blocks)
+
+
+def _worker_block(name: str, view: dict[str, Any]) -> str:
+    state = view["state"]
+    if state == NO_GATE:
+        return f"{name}  {NO_GATE}: {view.get('error')}"
+    if state == NOT_ANSWERING:
+        state += f" (last heartbeat {fmt(view.get('heartbeat_age_s'))} s ago; state from the store)"
+    lines = [f"{name}  {state}  {_headline(view['labels'])}"]
+    lines += _field("labels", " ".join(f"{k}={v}" for k, v in view["labels"].items()))
+    lines += _field("free", _free_line(view["capacity"], view["free"]))
+    lines += _field("pinning", _PINNING.get(view.get("pinning"), "unknown"))
+    lines += _device_lines(view["devices"], view["allocations"])
+    lines += _held_lines(view["held"])
+    if view.get("queues"):
+        lines += _field("queues", ", ".join(view["queues"]))
+    return "\n".join(lines)
+
+
+def _headline(labels: dict[str, str]) -> str:
+    count, gpu = labels.get("gpu_count", "0"), labels.get("gpu_type")
+    if gpu and count != "0":
+        return f"{count}x {gpu}"
+    return str(labels.get("accelerator", "accelerator unknown"))
+
+
+def _field(label: str, text: str) -> list[str]:
+    prefix = f"  {label:<9} "
+    return textwrap.wrap(
+        text or "-",
+        width=_WIDTH,
+        initial_indent=prefix,
+        subsequent_indent=" " * len(prefix),
+        break_on_hyphens=False,
+    )
+
+
+def _free_line(capacity: dict[str, Any], free: dict[str, Any]) -> str:
+    shown = [k for k, total in capacity.items() if total]
+    return ", ".join(f"{k} {fmt(free.get(k))}/{fmt(capacity[k])}" for k in shown)
+
+
+def _device_lines(devices: dict[str, Any], allocations: list[dict[str, Any]]) -> list[str]:
+    bands = {a.get("task_id"): a.get("band") for a in allocations}
+    lines = []
+    for index, task_id in sorted(devices.items(), key=lambda kv: int(kv[0])):
+        text = f"{task_id} (band {bands.get(task_id)})" if task_id else "free"
+        lines += _field(f"gpu {index}", text)
+    return lines
+
+
+def _held_lines(held: list[dict[str, Any]]) -> list[str]:
+    if not held:
+        return _field("held", "none")
+    lines = []
+    for job in held:
+        text = f"{job.get('task_id')} (band {job.get('band')}): {job.get('reason')}"
+        lines += _field("held", text)
+    return lines
+
+
+def _pending_block(pending: dict[str, dict[str, Any]], now: float) -> str:
+    if not pending:
+        return "waiting jobs: none"
+    lines = [f"waiting jobs: {len(pending)}"]
+    for task_id, record in sorted(pending.items(), key=lambda kv: kv[1].get("since", 0)):
+        lines.append(f"  {task_id}  {_job_facts(record, now)}")
+        lines.extend(_field("  reason", str(record.get("reason"))))
+    return "\n".join(lines)
+
+
+def _job_facts(record: dict[str, Any], now: float) -> str:
+    since = record.get("since")
+    waited = f"waiting {fmt(round(now - float(since)))} s" if since is not None else "waiting"
+    return f"{record.get('task')}, queue {record.get('queue')}, band {record.get('band')}, {waited}"

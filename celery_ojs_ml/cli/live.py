@@ -1,0 +1,270 @@
+"""Live verbs against a running fleet: `status`, `explain TASK_ID|FILE`, `submit FILE`.
+
+Key decision: the Celery app comes from `celery -A proj ojs-ml ...` (Celery's
+`CLIContext` in `ctx.obj`) or from the verb's own `-A/--app` option, so the
+console script and the Celery sub-command behave the same; an app without the
+`OJSML` plugin is a usage error (exit 2). `explain` serves both its offline
+form (`--job --workers`, delegated unchanged to the offline verb) and the live
+one, so the verb name stays one command with one help page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from celery_ojs_ml.cli import fleet as fleet_view
+from celery_ojs_ml.cli import offline
+from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
+from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
+from celery_ojs_ml.matching import pending_message, rank
+from celery_ojs_ml.spec.documents import requirements_doc
+
+if TYPE_CHECKING:  # Celery is imported when a live verb runs, so offline verbs start fast
+    from celery_ojs_ml.integration.plugin import OJSML
+
+_NEEDS_APP = (
+    "this verb needs a Celery app with the OJSML plugin; pass it with -A, "
+    "e.g. `celery -A proj ojs-ml {verb}` or `celery-ojs-ml {verb} -A proj`"
+)
+_DOC_SUFFIXES = (".json", ".yaml", ".yml")
+
+app_option = click.option(
+    "-A",
+    "--app",
+    "app_name",
+    metavar="MODULE[:ATTR]",
+    help="The Celery app (with OJSML) when not given to `celery -A`; default $CELERY_APP.",
+)
+timeout_option = click.option(
+    "-t",
+    "--timeout",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds to wait for inspect replies.",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def load_plugin(ctx: click.Context, app_name: str | None) -> OJSML:
+    """The `OJSML` plugin of the app named by `-A`, else of `celery -A`'s app."""
+    from celery.app.utils import find_app
+
+    from celery_ojs_ml.integration.plugin import OJSML
+
+    app = getattr(ctx.obj, "app", None)
+    if not app_name and app is None:  # `celery` itself already honours $CELERY_APP
+        app_name = os.environ.get("CELERY_APP")
+    if app_name:
+        try:
+            app = find_app(app_name)
+        except Exception as exc:
+            raise click.UsageError(f"cannot load the app {app_name!r}: {exc}", ctx) from None
+    plugin = getattr(app, "ojs_ml", None)
+    if not isinstance(plugin, OJSML):
+        raise click.UsageError(_NEEDS_APP.format(verb=ctx.info_name), ctx)
+    return plugin
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=repr)
+
+
+def _fail(what: str, exc: Exception) -> click.ClickException:
+    return click.ClickException(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+# -- status -----------------------------------------------------------------------------------
+
+
+@click.command()
+@app_option
+@timeout_option
+@json_option
+@click.pass_context
+def status(ctx: click.Context, app_name: str | None, timeout: float, as_json: bool) -> None:
+    """Workers' capabilities, free and used GPUs, held and waiting jobs with reasons."""
+    plugin = load_plugin(ctx, app_name)
+    try:
+        report = fleet_view.gather(plugin, timeout)
+    except Exception as exc:  # broker down: say so instead of a traceback
+        raise _fail("cannot reach the broker", exc) from None
+    click.echo(_dump(report) if as_json else fleet_view.render_status(report))
+
+
+# -- explain ----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("target", required=False, metavar="[TASK_ID|FILE]")
+@click.option("--job", "job_path", type=click.Path(), help="Offline: job file (with --workers).")
+@click.option(
+    "--workers",
+    "workers_path",
+    type=click.Path(),
+    help="Offline: a directory of worker files, or a file with one worker or a list.",
+)
+@app_option
+@timeout_option
+@json_option
+@click.pass_context
+def explain(
+    ctx: click.Context,
+    target: str | None,
+    job_path: str | None,
+    workers_path: str | None,
+    app_name: str | None,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Why a task waits or where it runs; or rank workers for a job file.
+
+    Live: `explain TASK_ID` or `explain FILE` against the running fleet (needs
+    -A). Offline: `explain --job FILE --workers PATH`, no broker needed.
+    """
+    if job_path or workers_path:
+        if not (job_path and workers_path) or target:
+            raise click.UsageError(
+                "offline explain takes --job FILE --workers PATH and no TASK_ID|FILE; "
+                "live explain takes TASK_ID|FILE and -A, e.g. `celery -A proj ojs-ml explain "
+                "job.json`",
+                ctx,
+            )
+        ctx.invoke(offline.explain, job_path=job_path, workers_path=workers_path)
+        return
+    if not target:
+        raise click.UsageError("missing TASK_ID|FILE (or --job FILE --workers PATH)", ctx)
+    plugin = load_plugin(ctx, app_name)
+    if Path(target).is_file():
+        _explain_file(plugin, target, as_json)
+    elif target.endswith(_DOC_SUFFIXES) or "/" in target:
+        raise Unreadable(f"cannot read {target}: no such file")
+    else:
+        _explain_task(plugin, target, timeout, as_json)
+
+
+def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) -> None:
+    try:
+        report = fleet_view.gather(plugin, timeout)
+    except Exception as exc:
+        raise _fail("cannot reach the broker", exc) from None
+    found = fleet_view.locate(task_id, report)
+    click.echo(_dump(found) if as_json else fleet_view.render_location(found, report["time"]))
+    sys.exit(EXIT_INVALID if found["state"] == "unknown" else EXIT_OK)
+
+
+def _explain_file(plugin: OJSML, path: str, as_json: bool) -> None:
+    try:
+        req = requirements_doc(read_document(path), plugin.parse_options).requirements
+    except SpecError as exc:
+        for v in exc.violations:
+            click.echo(f"{path}: {v}", err=True)
+        sys.exit(EXIT_INVALID)
+    try:
+        workers, free = fleet_view.live_fleet(plugin)
+    except Exception as exc:  # store down: exit 1 with the reason, not a traceback
+        raise _fail("cannot read the live workers from the store", exc) from None
+    ranked = rank(req, workers, free)
+    message = pending_message(r for _, r in ranked)
+    if as_json:
+        rows = [{"worker": name, **r.as_dict()} for name, r in ranked]
+        click.echo(_dump({"workers": rows, "pending_message": message}))
+    else:
+        for name, r in ranked:
+            why = "; ".join(x.message for x in r.reasons)
+            row = f"{name:<24} {r.verdict.value:<5} score {r.score:g}"
+            click.echo(f"{row}  {why}" if why else row)
+        click.echo(message)
+    sys.exit(EXIT_OK if any(r.eligible for _, r in ranked) else EXIT_INVALID)
+
+
+# -- submit -----------------------------------------------------------------------------------
+
+
+@click.command()
+@click.argument("file", type=click.Path())
+@click.option("--wait", is_flag=True, help="Wait for the results (needs a result backend).")
+@click.option(
+    "--wait-timeout", type=float, default=None, help="Seconds to wait with --wait (default: none)."
+)
+@app_option
+@json_option
+@click.pass_context
+def submit(
+    ctx: click.Context,
+    file: str,
+    wait: bool,
+    wait_timeout: float | None,
+    app_name: str | None,
+    as_json: bool,
+) -> None:
+    """Validate and publish an OJS job, workflow or Flux jobspec; print the task id(s)."""
+    plugin = load_plugin(ctx, app_name)
+    doc = read_document(file)
+    if wait and not plugin.app.conf.result_backend:
+        raise click.UsageError(
+            "--wait needs a result backend; set one on the app, e.g. "
+            'app.conf.result_backend = "redis://127.0.0.1:6379/1"',
+            ctx,
+        )
+    result = _publish(plugin, doc, file)
+    rows = [{"task_id": tid} for tid in task_ids(result)]
+    if wait:
+        for row in rows:
+            row.update(_outcome(plugin, row["task_id"], wait_timeout))
+    if as_json:
+        click.echo(_dump(rows))
+    else:
+        for row in rows:
+            extra = f" {row['state']} {row['result']!r}" if wait else ""
+            click.echo(f"{row['task_id']}{extra}")
+    failed = wait and any(row["state"] != "SUCCESS" for row in rows)
+    sys.exit(EXIT_INVALID if failed else EXIT_OK)
+
+
+def _publish(plugin: OJSML, doc: Any, path: str) -> Any:
+    try:
+        return plugin.submit(doc)
+    except SpecError as exc:
+        for v in exc.violations:
+            click.echo(f"{path}: {v}", err=True)
+    except (ConfigError, UnsatisfiableError) as exc:
+        click.echo(f"{path}: {exc}", err=True)
+    except Exception as exc:  # broker down: exit 1 with the reason, not a traceback
+        raise _fail("cannot publish", exc) from None
+    sys.exit(EXIT_INVALID)
+
+
+def task_ids(result: Any) -> list[str]:
+    """Every task id of a submission, in order: a task, each chain link, each group member."""
+    from celery.result import AsyncResult, GroupResult
+
+    if isinstance(result, GroupResult):
+        return [tid for member in result.results for tid in task_ids(member)]
+    ids: list[str] = []
+    node = result
+    while isinstance(node, AsyncResult):
+        ids.append(str(node.id))
+        node = node.parent
+    return ids[::-1]
+
+
+def _outcome(plugin: OJSML, task_id: str, timeout: float | None) -> dict[str, Any]:
+    result = plugin.app.AsyncResult(task_id)
+    try:
+        value = result.get(timeout=timeout, propagate=False, disable_sync_subtasks=False)
+    except Exception as exc:  # celery.exceptions.TimeoutError and backend errors
+        return {"state": result.state, "result": f"{exc.__class__.__name__}: {exc}"}
+    return {"state": result.state, "result": value}
+
+
+LIVE_COMMANDS = (status, explain, submit)
+"""Registered on the `ojs-ml` group; this `explain` replaces the offline-only one."""
+
+__all__ = ["LIVE_COMMANDS", "explain", "load_plugin", "status", "submit", "task_ids"]

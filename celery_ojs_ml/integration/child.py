@@ -1,0 +1,137 @@
+"""Pool-child side: pin `CUDA_VISIBLE_DEVICES` around each ML task body.
+
+Key decisions (research/celery-internals.md §3):
+* The main process allocates and puts the device list in the request
+  (`ojs_devices`); `task_prerun` runs in the child after the request is pushed,
+  so it sets the variable before the task body runs and `task_postrun` restores it.
+* Pinning happens only when the gate says so (`ojs_pin`), i.e. under prefork.
+  Under threads/solo/eventlet pools the environment belongs to the whole process,
+  so the plugin never touches it there; the task reads `self.request.ojs_devices`.
+* CUDA reads the variable once per process, when the driver initialises. So a
+  pool child is retired as soon as a task has initialised CUDA in it: after each
+  task the child looks for the CUDA driver (`libcuda.so`) in its own address
+  space and, if it is there, exits through billiard's own recycle path (the
+  `max_memory_per_child` check, which runs after the result has been sent).
+  Children that never touched CUDA are reused like in plain Celery. With
+  `ojs_ml_recycle_gpu_children="always"` every child runs one task
+  (`worker_max_tasks_per_child=1`); see `integration/worker.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+CVD = "CUDA_VISIBLE_DEVICES"
+RECYCLE_MODES = ("cuda", "always", "never")
+RECYCLE: dict[str, Any] = {"mode": "never"}
+"""Set in the worker's main process at `celeryd_init`; pool children inherit it by fork."""
+NO_LIMIT_KB = 1 << 40
+"""`worker_max_memory_per_child` put in place when unset: 1 PiB, which no child reaches."""
+RETIRE_KB = 1 << 62
+"""What the child reports as its memory use once it must be retired."""
+_MAXMEM_PREFIX = "child process exiting after exceeding memory limit"
+_DRIVER = b"/libcuda.so"
+_EXIT_POLL_S = 0.005
+
+
+def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
+    """Whether the CUDA driver library is mapped into this process.
+
+    CUDA reads `CUDA_VISIBLE_DEVICES` when the driver initialises, and every
+    framework (PyTorch, JAX, CuPy, TensorFlow, numba) loads `libcuda.so` to do
+    that. Where `/proc` cannot be read the answer is True: assume the worst.
+    """
+    try:
+        with open(maps, "rb") as fh:
+            return _DRIVER in fh.read()
+    except OSError:
+        return True
+
+
+def billiard_can_retire() -> bool:
+    """Whether this billiard has the per-task memory check the retire hook rides on."""
+    import inspect
+
+    import billiard.pool as bpool
+
+    params = inspect.signature(bpool.Worker.__init__).parameters
+    return (
+        callable(getattr(bpool, "mem_rss", None))
+        and "max_memory_per_child" in params
+        and hasattr(bpool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL")
+        and hasattr(bpool, "GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT")
+    )
+
+
+def install_cuda_retirement() -> None:
+    """In a pool child: exit after any task that left CUDA initialised.
+
+    billiard's worker loop calls `mem_rss()` after it has sent each task's
+    result and leaves with `EX_RECYCLE` when the value is over
+    `max_memory_per_child`; the pool then starts a fresh child. The hook reports
+    a huge value once CUDA is initialised, and the real value otherwise, so a
+    user's own `worker_max_memory_per_child` keeps working.
+    """
+    import billiard.pool as bpool
+
+    real_rss, real_warning = bpool.mem_rss, bpool.warning
+    state = {"retiring": False}
+    inherited = cuda_initialised()
+    if inherited:
+        log.warning(
+            "ojs-ml: CUDA was initialised in the worker's main process before the pool "
+            "forked (CUDA does not survive fork); every pool child will run one task"
+        )
+
+    def mem_rss() -> int:
+        if inherited or cuda_initialised():
+            state["retiring"] = True
+            log.debug("ojs-ml: pool child %s initialised CUDA; retiring it", os.getpid())
+            return RETIRE_KB
+        return int(real_rss())
+
+    def warning(msg: Any, *args: Any, **kwargs: Any) -> Any:
+        if state["retiring"] and str(msg).startswith(_MAXMEM_PREFIX):
+            return None  # our retirement, not a memory problem
+        return real_warning(msg, *args, **kwargs)
+
+    bpool.mem_rss = mem_rss
+    bpool.warning = warning
+    # Before leaving, a child polls until the parent has read its last result, by
+    # default every 0.1 s: most retirements would sleep once. Poll every 5 ms for
+    # the same 30 s in all.
+    interval = bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL
+    total = interval * bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT
+    bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL = _EXIT_POLL_S
+    bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT = max(1, int(total / _EXIT_POLL_S))
+
+
+def pin_devices(task: Any = None, **_: Any) -> None:
+    """`task_prerun`: set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
+    request = getattr(task, "request", None)
+    devices = getattr(request, "ojs_devices", None)
+    if request is None or devices is None or not getattr(request, "ojs_pin", False):
+        return
+    request.ojs_saved_cvd = os.environ.get(CVD)
+    os.environ[CVD] = ",".join(str(d) for d in devices)
+
+
+def unpin_devices(task: Any = None, **_: Any) -> None:
+    """`task_postrun`: restore the variable as it was before the task."""
+    request = getattr(task, "request", None)
+    if request is None or not hasattr(request, "ojs_saved_cvd"):
+        return
+    saved = request.ojs_saved_cvd
+    if saved is None:
+        os.environ.pop(CVD, None)
+    else:
+        os.environ[CVD] = saved
+
+
+def devices(task: Any) -> list[int]:
+    """The GPU indices allocated to the running task (any pool); [] for none."""
+    found = getattr(getattr(task, "request", None), "ojs_devices", None)
+    return [int(d) for d in found] if found else []

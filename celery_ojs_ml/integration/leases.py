@@ -1,0 +1,186 @@
+"""Leases of running ML jobs (DESIGN decision 4): Redis records, not unacked messages.
+
+Key decisions:
+* When the gate starts an ML job it writes a lease (the job's task name,
+  arguments, canonical headers, retries, worker, allocation and a deadline)
+  and only then acks the broker message. So a multi-hour job is never
+  redelivered by Redis' `visibility_timeout` and never trips RabbitMQ's
+  `consumer_timeout`, and a crash loses nothing: the lease outlives the worker.
+* A lease is a plain key without TTL plus a sorted-set index by deadline, so an
+  expired lease is still readable by whoever claims it. The owner refreshes the
+  deadline by heartbeat; a claim is a WATCH/MULTI compare-and-set on the lease
+  (no Lua, so fakeredis works), which makes exactly one claimer win.
+* Every write carries a random token; release and refresh only touch a lease
+  whose token is still theirs, so a late release by a dead incarnation (or by
+  the claimer, after the re-published job already started elsewhere and wrote
+  its own lease) never deletes someone else's lease.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+import redis
+
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger(__name__)
+_RETRIES = 16
+
+
+class LeaseBook:
+    """Lease records of one store; every method is safe to call from any worker."""
+
+    def __init__(self, store: OJSStore, ttl_s: float) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._r = store.client
+        self._index = store.key("leases")
+
+    def _key(self, task_id: str) -> str:
+        return self.store.key("lease", task_id)
+
+    def _now(self) -> float:
+        return float(self.store._clock())
+
+    def take(self, record: dict[str, Any]) -> str:
+        """Write (or overwrite) the lease of a job starting now; returns its token."""
+        token = uuid.uuid4().hex
+        deadline = self._now() + self.ttl_s
+        lease = {**record, "token": token, "deadline": deadline}
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.set(self._key(record["task_id"]), json.dumps(lease))
+            pipe.zadd(self._index, {record["task_id"]: deadline})
+            pipe.execute()
+        return token
+
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        """The lease of a job, or None."""
+        raw = self._r.get(self._key(task_id))
+        return json.loads(raw) if raw else None
+
+    def all(self) -> list[dict[str, Any]]:
+        """Every lease (running, expired or being claimed)."""
+        members: list[Any] = self._r.zrange(self._index, 0, -1)
+        ids = [i.decode() if isinstance(i, bytes) else str(i) for i in members]
+        if not ids:
+            return []
+        values = self._r.mget([self._key(i) for i in ids])
+        return [json.loads(v) for v in values if v]
+
+    def refresh(self, tokens: dict[str, str]) -> list[str]:
+        """Push the deadlines of our leases; returns the task ids whose lease is no longer ours."""
+        if not tokens:
+            return []
+        ids = list(tokens)
+        values = self._r.mget([self._key(i) for i in ids])
+        lost: list[str] = []
+        deadline = self._now() + self.ttl_s
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id, raw in zip(ids, values, strict=True):
+                lease = json.loads(raw) if raw else None
+                if lease is None or lease.get("token") != tokens[task_id]:
+                    lost.append(task_id)
+                    continue
+                lease["deadline"] = deadline
+                pipe.set(self._key(task_id), json.dumps(lease))
+                pipe.zadd(self._index, {task_id: deadline})
+            pipe.execute()
+        return lost
+
+    def release(self, task_id: str, token: str) -> bool:
+        """Delete a lease if it is still the one with `token`."""
+        return self._cas(task_id, lambda lease: lease.get("token") == token, None) is not None
+
+    def expired(self) -> list[str]:
+        """Task ids whose lease deadline has passed."""
+        raw: list[Any] = self._r.zrangebyscore(self._index, "-inf", self._now())
+        return [i.decode() if isinstance(i, bytes) else str(i) for i in raw]
+
+    def claim(
+        self, task_id: str, claimer: str, incarnation: str, *, stale_owner: str | None = None
+    ) -> dict[str, Any] | None:
+        """Atomically take over an expired lease (or a stale one of `stale_owner`).
+
+        Returns the lease as it was (the job to re-publish) with the claimer's
+        new token in `claim_token`, or None when someone else won or it is live.
+        """
+        now = self._now()
+
+        def claimable(lease: dict[str, Any]) -> bool:
+            if stale_owner is not None:
+                return bool(
+                    lease.get("worker") == stale_owner and lease.get("incarnation") != incarnation
+                )
+            return float(lease.get("deadline", 0)) < now
+
+        token = uuid.uuid4().hex
+        before = self._cas(
+            task_id,
+            claimable,
+            lambda lease: {
+                **lease,
+                "worker": claimer,
+                "incarnation": incarnation,
+                "token": token,
+                "deadline": now + self.ttl_s,
+                "claimed_from": lease.get("worker"),
+            },
+        )
+        return None if before is None else {**before, "claim_token": token}
+
+    def stale_of(self, worker: str, incarnation: str) -> list[str]:
+        """Leases a previous incarnation of `worker` left behind (Flux `sched-hello`)."""
+        return [
+            lease["task_id"]
+            for lease in self.all()
+            if lease.get("worker") == worker and lease.get("incarnation") != incarnation
+        ]
+
+    def _cas(self, task_id: str, test: Any, update: Any) -> dict[str, Any] | None:
+        """If `test(lease)`, replace it by `update(lease)` (or delete when None); else None."""
+        key = self._key(task_id)
+        for _ in range(_RETRIES):
+            with self._r.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    raw = pipe.get(key)
+                    lease = json.loads(raw) if raw else None
+                    if lease is None or not test(lease):
+                        pipe.unwatch()
+                        if lease is None:
+                            self._r.zrem(self._index, task_id)
+                        return None
+                    pipe.multi()
+                    new = update(lease) if update is not None else None
+                    if new is None:
+                        pipe.delete(key)
+                        pipe.zrem(self._index, task_id)
+                    else:
+                        pipe.set(key, json.dumps(new))
+                        pipe.zadd(self._index, {task_id: new["deadline"]})
+                    pipe.execute()
+                    return dict(lease)
+                except redis.WatchError:
+                    continue
+        log.warning("ojs-ml: lease %s is contended; giving up this round", task_id)
+        return None
+
+
+def republish_headers(
+    headers: dict[str, Any], **counters: int | dict[str, Any] | None
+) -> dict[str, Any]:
+    """Canonical headers for a re-published copy, with updated counters."""
+    keep = {
+        k: v for k, v in headers.items() if k.startswith(("ext_ml", "ojs_")) and k not in _TRANSIENT
+    }
+    keep.update({k: v for k, v in counters.items() if v is not None})
+    return keep
+
+
+_TRANSIENT = frozenset(
+    {"ojs_devices", "ojs_node", "ojs_pin", "ojs_pending", "ojs_class", "ojs_band"}
+)

@@ -1,0 +1,163 @@
+"""Priority preemption on one worker (OJS ML §8, DESIGN decision 5).
+
+Key decisions:
+* Cooperative first, then forced. The gate sets the job's preemption flag (a
+  Redis key the checkpoint helper polls, plus SIGUSR2 to the pool child, whose
+  handler only sets a flag), and arms a timer for the grace period
+  (`ext_ml_preemption_grace_period_s`, default 30 s). A task that checkpoints
+  and raises `Preempted` in time yields cleanly; one that does not is killed
+  through the pool (`terminate_job(pid, SIGKILL)`). Never `revoke(terminate=
+  True)`: it blocklists the task id, so the re-published copy would be dropped.
+* Either way the main process re-publishes the same task id with `retries`
+  unchanged, `ojs_preemptions` + 1 and the last committed checkpoint, after the
+  child has finished (so the two runs never overlap), then releases the lease.
+  Flower sees a `task-retried` event (RETRY, not a sticky custom state); the
+  detail goes out as an `ojs-preempted` event.
+* The victim policy lives in `allocator.policy` (lowest band first, newest
+  first, then pruned to a minimal set); spot is always preemptible, on-demand
+  only by reserved and only with `ojs_ml_allow_on_demand_preemption`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from typing import TYPE_CHECKING, Any
+
+from billiard.exceptions import Terminated, WorkerLostError
+from celery.exceptions import Ignore
+
+from celery_ojs_ml.integration.deadletter import last_checkpoint_of
+from celery_ojs_ml.integration.leases import republish_headers
+from celery_ojs_ml.spec.resources import MLRequirements
+
+if TYPE_CHECKING:
+    from celery_ojs_ml.integration.worker import MLWorker
+
+log = logging.getLogger(__name__)
+DEFAULT_GRACE_S = 30.0
+HEADER_PREEMPTIONS = "ojs_preemptions"
+
+
+def grace_of(req: Any) -> float:
+    """The victim's grace period in seconds (§8.2, default 30)."""
+    value = req.request_dict.get("ext_ml_preemption_grace_period_s")
+    return float(value) if isinstance(value, int | float) else DEFAULT_GRACE_S
+
+
+def preemptions_of(headers: dict[str, Any]) -> int:
+    """How often this job has been preempted so far."""
+    return int(headers.get(HEADER_PREEMPTIONS) or 0)
+
+
+class Preemptions:
+    """The preemptions one gate has in flight, keyed by the victim's Request."""
+
+    def __init__(self, gate: MLWorker) -> None:
+        self.gate = gate
+        self.timers: dict[Any, Any] = {}
+
+    def __contains__(self, req: Any) -> bool:
+        return req in self.timers
+
+    def cap(self, ml: MLRequirements, headers: dict[str, Any]) -> MLRequirements:
+        """Past `ojs_ml_max_preemptions` the job is no longer preemptible."""
+        limit = self.gate.settings.max_preemptions
+        if limit is not None and preemptions_of(headers) >= limit and ml.ext_ml_preemptible:
+            return ml.model_copy(update={"ext_ml_preemptible": False})
+        return ml
+
+    def make_room(self, ml: MLRequirements, band: str) -> float | None:
+        """Preempt victims so a held higher-band job fits; the longest grace, or None."""
+        victims = self.gate.allocator.victims(ml, band)
+        if not victims:
+            return None
+        longest = 0.0
+        for alloc in victims:
+            grace = grace_of(alloc.key)
+            longest = max(longest, grace)
+            if alloc.key not in self.timers:
+                self.preempt(alloc.key, grace)
+        return longest
+
+    def preempt(self, req: Any, grace: float) -> None:
+        """Set the flag, signal the child, and arm the hard kill for the end of the grace."""
+        from celery_ojs_ml.checkpoint import request_preemption
+
+        gate = self.gate
+        log.warning("ojs-ml: preempting %s[%s] (grace %.1f s)", req.name, req.id, grace)
+        try:
+            request_preemption(gate.store, req.id, grace)
+        except Exception as exc:
+            log.warning("ojs-ml: could not set the preemption flag of %s: %s", req.id, exc)
+        pid = getattr(req, "worker_pid", None)
+        if gate.prefork and pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR2)
+        self.timers[req] = gate.c.timer.call_after(grace, self.hard_kill, (req,))
+
+    def hard_kill(self, req: Any) -> None:
+        """The grace period is over and the task has not yielded: stop its process."""
+        pid = getattr(req, "worker_pid", None)
+        if req not in self.timers or not pid:
+            return
+        if not self.gate.prefork or pid == os.getpid():
+            log.warning(
+                "ojs-ml: %s ignored preemption; a %s pool cannot stop one task",
+                req.id,
+                "non-prefork",
+            )
+            return
+        log.warning("ojs-ml: %s did not yield within its grace period; killing pid %s", req.id, pid)
+        terminate = getattr(self.gate.c.pool, "terminate_job", None)
+        if terminate is not None:
+            terminate(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+    def finished(self, req: Any) -> None:
+        """The victim ended (any way): disarm its timer."""
+        timer = self.timers.pop(req, None)
+        if timer is not None:
+            timer.cancel()
+
+    def yielded(self, req: Any, exc: BaseException) -> bool:
+        """Whether `exc` is how a preempted job ends (Preempted, or killed after its grace)."""
+        return req in self.timers and isinstance(exc, Ignore | Terminated | WorkerLostError)
+
+    def requeue(self, req: Any, exc: BaseException) -> None:
+        """Re-publish the preempted job: same id, same retries, one more preemption."""
+        from celery.worker import state as worker_state
+
+        from celery_ojs_ml.checkpoint import clear_preemption
+
+        gate = self.gate
+        worker_state.task_ready(req)
+        headers = req.request_dict
+        count = preemptions_of(headers) + 1
+        checkpoint = last_checkpoint_of(gate.store, req.id)
+        clear_preemption(gate.store, req.id)
+        gate.app.send_task(
+            req.name,
+            args=list(req.args),
+            kwargs=dict(req.kwargs),
+            task_id=req.id,
+            retries=int(headers.get("retries") or 0),
+            headers=republish_headers(
+                headers, ojs_preemptions=count, ojs_last_checkpoint=checkpoint
+            ),
+        )
+        how = "yielded" if isinstance(exc, Ignore) else "was killed after its grace period"
+        log.warning("ojs-ml: %s %s; re-published (preemption %d)", req.id, how, count)
+        req.send_event("task-retried", exception=f"Preempted({how}, preemptions={count})")
+        dispatcher = getattr(gate.c, "event_dispatcher", None)
+        if dispatcher is not None and dispatcher.enabled:
+            dispatcher.send(
+                "ojs-preempted",
+                uuid=req.id,
+                preemptions=count,
+                how=how,
+                checkpoint=(checkpoint or {}).get("sequence"),
+            )

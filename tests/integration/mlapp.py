@@ -1,0 +1,228 @@
+"""The Celery app the integration tests run in real `celery worker` processes.
+
+`celery -A tests.integration.mlapp worker ...` reads the broker from
+`OJS_TEST_BROKER`; tests build the same app in-process with `make_app(url)` to
+publish. Tasks record what they saw (worker, devices, CUDA_VISIBLE_DEVICES,
+pid, times) in the Redis list `OJS_TEST_RESULTS` so the tests can check the
+invariants from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_ojs_ml import OJSML
+
+RESULTS_KEY = "ojs-test:results"
+_FIRST_GPU_USE: dict[str, Any] = {}
+"""Per process: the CUDA_VISIBLE_DEVICES seen at the process's first GPU use."""
+
+
+def init_fake_cuda() -> None:
+    """Stand-in for a framework's first CUDA call: map a library named `libcuda.so.1`.
+
+    There is no GPU here, so the test loads a copy of a small shared object
+    under the driver's name; the plugin's detection (`child.cuda_initialised`)
+    reads `/proc/self/maps` exactly as it would for the real driver.
+    """
+    import _bisect
+    import ctypes
+    import shutil
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), f"ojs-fake-cuda-{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, "libcuda.so.1")
+    shutil.copyfile(_bisect.__file__, target)
+    ctypes.CDLL(target)
+
+
+def make_app(broker: str, **conf: Any) -> Celery:
+    """The test app on `broker` (a private Redis, or RabbitMQ for the broker test)."""
+    results_url = os.environ.get("OJS_TEST_RESULTS", broker)
+    backend = results_url if results_url.startswith("redis") else None
+    app = Celery("mlapp", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        task_create_missing_queues=True,
+        worker_prefetch_multiplier=1,
+        broker_transport_options={
+            "visibility_timeout": float(os.environ.get("OJS_TEST_VISIBILITY", "3600"))
+        },
+        result_expires=None,
+        worker_hijack_root_logger=False,
+        task_default_queue=os.environ.get("OJS_TEST_QUEUE", "celery"),
+        ojs_ml_store_url=os.environ.get("OJS_TEST_STORE"),
+        ojs_ml_subscription_poll_s=0.2,
+        ojs_ml_heartbeat_s=0.5,
+        ojs_ml_lease_ttl_s=float(os.environ.get("OJS_TEST_LEASE_TTL", "30")),
+        ojs_ml_max_crashes=int(os.environ.get("OJS_TEST_MAX_CRASHES", "3")),
+        ojs_ml_require_pinning=os.environ.get("OJS_TEST_REQUIRE_PINNING") == "1",
+        ojs_ml_recycle_gpu_children=os.environ.get("OJS_TEST_RECYCLE", "cuda"),
+    )
+    app.conf.update(conf)
+    OJSML(app)
+    _define_tasks(app, results_url)
+    _define_plain_tasks(app, results_url)
+    return app
+
+
+def _record(results_url: str, entry: dict[str, Any]) -> None:
+    client = redis.Redis.from_url(results_url)
+    try:
+        client.rpush(RESULTS_KEY, json.dumps(entry))
+    finally:
+        client.close()
+
+
+def _define_tasks(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="ml.record", shared=False, ml={"ext_ml_gpu_count": 1})
+    def record(self: Any, tag: str, sleep_s: float = 0.0, cuda: bool = True) -> dict[str, Any]:
+        start = time.time()
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = list(getattr(self.request, "ojs_devices", None) or [])
+        if devices and cuda and "cvd" not in _FIRST_GPU_USE:
+            init_fake_cuda()  # the process's first GPU use: CUDA binds the devices here
+            _FIRST_GPU_USE["cvd"] = cvd
+        time.sleep(sleep_s)
+        entry = {
+            "tag": tag,
+            "task_id": self.request.id,
+            "worker": getattr(self.request, "ojs_node", None),
+            "hostname": socket.gethostname(),
+            "devices": devices,
+            "cvd": cvd,
+            "cuda": bool(devices and cuda),
+            "first_cvd": _FIRST_GPU_USE.get("cvd"),
+            "pid": os.getpid(),
+            "gpu_count": getattr(self.request, "ext_ml_gpu_count", None),
+            "start": start,
+            "end": time.time(),
+        }
+        _record(results_url, entry)
+        return entry
+
+    _define_training_tasks(app, results_url)
+
+
+def _define_training_tasks(app: Celery, results_url: str) -> None:
+    ckpt_dir = os.environ.get("OJS_TEST_CKPT", "/tmp/ojs-test-ckpt")
+    ckpt_ml = {
+        "ext_ml_gpu_count": 1,
+        "ext_ml_checkpoint_enabled": True,
+        "ext_ml_checkpoint_storage_uri": f"file://{ckpt_dir}/",
+        "ext_ml_checkpoint_max_count": 3,
+        "ext_ml_checkpoint_interval_s": 1,
+    }
+
+    @app.task(bind=True, name="ml.ckpt_train", shared=False, ml=ckpt_ml)
+    def ckpt_train(self: Any, epochs: int, epoch_s: float, ignore_preemption: bool = False) -> int:
+        """Checkpoint every epoch; record where each run started and what was committed."""
+        from celery_ojs_ml import checkpoint
+        from celery_ojs_ml.checkpoint import last_checkpoint
+
+        client = redis.Redis.from_url(results_url)
+        ckpt = checkpoint(self)
+        committed = last_checkpoint(ckpt.store, self.request.id)
+        last = ckpt.resume()
+        start = (last.epoch + 1) if last and last.epoch is not None else 0
+        run = {
+            "pid": os.getpid(),
+            "worker": getattr(self.request, "ojs_node", None),
+            "start_epoch": start,
+            "committed_epoch": committed.epoch if committed else None,
+            "crashes": getattr(self.request, "ojs_crashes", 0) or 0,
+            "retries": self.request.retries,
+            "preemptions": getattr(self.request, "ojs_preemptions", 0) or 0,
+            "t0": time.time(),
+        }
+        key = f"ojs-test:runs:{self.request.id}"
+        index = client.rpush(key, json.dumps(run)) - 1
+        for epoch in range(start, epochs):
+            time.sleep(epoch_s)
+            ckpt.save(
+                epoch=epoch,
+                step=epoch,
+                loss=1.0 / (epoch + 1),
+                files={"state.json": json.dumps({"epoch": epoch}).encode()},
+            )
+            client.lset(key, index, json.dumps({**run, "t1": time.time(), "epoch": epoch}))
+            if not ignore_preemption:
+                ckpt.yield_if_preempted()
+        client.lset(key, index, json.dumps({**run, "t1": time.time(), "done": True}))
+        client.incr(f"ojs-test:done:{self.request.id}")
+        client.close()
+        return epochs
+
+    @app.task(bind=True, name="ml.torch_train", shared=False, ml=ckpt_ml)
+    def torch_train(self: Any, epochs: int, pause_s: float) -> str:
+        """Real PyTorch CPU training with a checkpoint per epoch; returns the final weights."""
+        from celery_ojs_ml import checkpoint
+        from tests.integration import torchjob
+
+        client = redis.Redis.from_url(results_url)
+        ckpt = checkpoint(self)
+        model, optim = torchjob.setup()
+        last = ckpt.resume()
+        start = 0
+        if last is not None and last.epoch is not None:
+            torchjob.load_state(model, optim, ckpt.load_bytes("state.pt"))
+            start = last.epoch + 1
+        client.rpush(
+            f"ojs-test:torch-runs:{self.request.id}",
+            json.dumps({"start": start, "worker": getattr(self.request, "ojs_node", None)}),
+        )
+        for epoch in range(start, epochs):
+            loss = torchjob.train_epoch(model, optim, epoch)
+            ckpt.save(
+                epoch=epoch,
+                step=epoch,
+                loss=loss,
+                files={"state.pt": torchjob.state_bytes(model, optim)},
+            )
+            client.set(f"ojs-test:torch-epoch:{self.request.id}", epoch)
+            time.sleep(pause_s)
+        weights = torchjob.weights_bytes(model).hex()
+        client.set(f"ojs-test:torch-weights:{self.request.id}", weights)
+        client.close()
+        return "ok"
+
+    @app.task(bind=True, name="ml.flaky_train", shared=False, ml=ckpt_ml, max_retries=0)
+    def flaky_train(self: Any, epochs: int, fail_at: int) -> int:
+        """Fails for good at `fail_at` on its first run; a resumed run completes."""
+        from celery_ojs_ml import checkpoint
+
+        ckpt = checkpoint(self)
+        last = ckpt.resume()
+        start = (last.epoch + 1) if last and last.epoch is not None else 0
+        client = redis.Redis.from_url(results_url)
+        client.rpush(f"ojs-test:flaky:{self.request.id}", start)
+        client.close()
+        for epoch in range(start, epochs):
+            if last is None and epoch == fail_at:
+                raise RuntimeError(f"boom at epoch {epoch}")
+            ckpt.save(epoch=epoch, step=epoch, files={"s": b"x"})
+        return epochs
+
+
+def _define_plain_tasks(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="plain.add", shared=False)
+    def add(self: Any, a: int, b: int) -> dict[str, Any]:
+        entry = {
+            "tag": "plain",
+            "sum": a + b,
+            "queue": self.request.delivery_info.get("routing_key"),
+            "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "headers": sorted(k for k in (self.request.headers or {}) if k.startswith("ojs")),
+        }
+        _record(results_url, entry)
+        return entry
+
+
+app = make_app(os.environ.get("OJS_TEST_BROKER", "redis://127.0.0.1:6399/0"))

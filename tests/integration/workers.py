@@ -1,0 +1,115 @@
+"""Real `celery worker` processes for the integration tests, started and stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from celery_ojs_ml.store import OJSStore
+
+ROOT = Path(__file__).resolve().parents[2]
+_START_TIMEOUT_S = 30.0
+
+
+class WorkerProcess:
+    """One `celery -A tests.integration.mlapp worker` subprocess."""
+
+    def __init__(
+        self,
+        name: str,
+        broker: str,
+        capabilities: str,
+        logdir: Path,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 4,
+        results_url: str | None = None,
+        app: str = "tests.integration.mlapp:app",
+        extra_env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+        queue: str = "celery",
+    ) -> None:
+        self.name = name
+        self.hostname = f"{name}@test"
+        self.log = logdir / f"{name}.log"
+        self.argv = [
+            sys.executable, "-m", "celery", "-A", app, "worker",
+            "-n", self.hostname, "-P", pool, "-c", str(concurrency), "-l", "INFO",
+            "--without-mingle", "--without-gossip", "-Q", queue,
+            f"--ojs-ml-capabilities={capabilities}", *extra_args,
+        ]  # fmt: skip
+        self.env = {
+            **os.environ,
+            "OJS_TEST_BROKER": broker,
+            "OJS_TEST_RESULTS": results_url or broker,
+            "PYTHONPATH": str(ROOT),
+            **(extra_env or {}),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        out = self.log.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        out.close()
+        return self
+
+    def wait_live(self, store: OJSStore) -> None:
+        """Block until the worker has advertised itself in the store."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker {self.name} exited:\n{self.log.read_text()[-4000:]}")
+            if self.hostname in store.live_workers():
+                return
+            time.sleep(0.1)
+        tail = self.log.read_text()[-4000:]
+        raise AssertionError(f"worker {self.name} never advertised:\n{tail}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool children at once, as if the node died."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextmanager
+def running(workers: list[WorkerProcess], store: OJSStore) -> Iterator[list[WorkerProcess]]:
+    """Start workers, wait until each has advertised, stop them all afterwards."""
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.wait_live(store)
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
