@@ -5,7 +5,7 @@ the same app with one switch:
 
     OJS_BENCH_BROKER   Redis URL of the broker (and of the plugin's store)
     OJS_BENCH_PLUGIN   "1": install `OJSML(app)`; "0" (default): plain Celery
-    OJS_BENCH_RECYCLE  "0": `ojs_ml_recycle_gpu_children = False`; default: plugin default
+    OJS_BENCH_RECYCLE  `ojs_ml_recycle_gpu_children` ("cuda", "always", "never")
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
 
 Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 RESULTS_KEY = "ojs-bench:dispatch"
 DEFAULT_BROKER = "redis://127.0.0.1:6399/0"
@@ -40,7 +39,7 @@ def _client(url: str) -> redis.Redis:
 
 
 def make_app(
-    broker: str, *, plugin: bool, recycle: bool | None = None, prefetch: int | None = None
+    broker: str, *, plugin: bool, recycle: str | None = None, prefetch: int | None = None
 ) -> Celery:
     """The bench app on `broker`, with or without the plugin."""
     app = Celery("ojsbench", broker=broker, set_as_current=False)
@@ -58,29 +57,8 @@ def make_app(
         if recycle is not None:
             app.conf.ojs_ml_recycle_gpu_children = recycle
         OJSML(app)
-        if recycle is False:
-            _keep_children(app)
     _define_tasks(app, broker)
     return app
-
-
-def _keep_children(app: Celery) -> None:
-    """Honour `ojs_ml_recycle_gpu_children=False` in a `celery worker` process.
-
-    The plugin's `celeryd_init` receiver looks for the app on `sender`/`conf`,
-    but Celery sends the hostname as `sender` and `app.conf` has no `.app`, so it
-    never sees the setting and forces `worker_max_tasks_per_child=1` anyway.
-    This receiver runs after it (receivers run in connection order) and puts the
-    configured value back, so the "recycling off" variant measures what it says.
-    It is a no-op once the plugin honours the setting itself.
-    """
-    configured = app.conf.worker_max_tasks_per_child
-
-    def restore(sender: Any = None, instance: Any = None, conf: Any = None, **_: Any) -> None:
-        if getattr(instance, "app", None) is app and conf.worker_max_tasks_per_child == 1:
-            conf.worker_max_tasks_per_child = configured
-
-    signals.celeryd_init.connect(restore, weak=False)
 
 
 def _define_tasks(app: Celery, results_url: str) -> None:
@@ -114,6 +92,29 @@ def _env_int(name: str) -> int | None:
 app = make_app(
     os.environ.get("OJS_BENCH_BROKER", DEFAULT_BROKER),
     plugin=bool(_env_flag("OJS_BENCH_PLUGIN")),
-    recycle=_env_flag("OJS_BENCH_RECYCLE"),
+    recycle=os.environ.get("OJS_BENCH_RECYCLE") or None,
     prefetch=_env_int("OJS_BENCH_PREFETCH"),
 )
+
+
+def _profile_main_process(path: str) -> None:
+    """`OJS_BENCH_PROFILE=FILE`: cProfile the worker's main thread from ready to shutdown."""
+    import cProfile
+
+    from celery import signals
+
+    profiler = cProfile.Profile()
+
+    def start(**_: object) -> None:
+        profiler.enable()
+
+    def stop(**_: object) -> None:
+        profiler.disable()
+        profiler.dump_stats(path)
+
+    signals.worker_ready.connect(start, weak=False)
+    signals.worker_shutdown.connect(stop, weak=False)
+
+
+if os.environ.get("OJS_BENCH_PROFILE"):
+    _profile_main_process(os.environ["OJS_BENCH_PROFILE"])
