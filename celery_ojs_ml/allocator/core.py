@@ -152,6 +152,13 @@ class Allocator:
             self.cancel(pending.key)
         return out
 
+    def state_key(self) -> tuple[frozenset[Hashable], bool]:
+        """What `free_capacity`, `preemptible_capacity` and `held() != []` depend on.
+
+        Equal keys mean equal answers, so callers may cache what they derive.
+        """
+        return frozenset(self._running), bool(self._held)
+
     def free_capacity(self) -> FreeCapacity:
         """What is free now, for matching and the subscription."""
         return self._capacity_view(())

@@ -174,6 +174,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         )
         self.preemptions = Preemptions(self)
         self.hold_until: dict[Any, float] = {}
+        self._wanted: tuple[Any, set[str]] | None = None
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
         self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
@@ -206,7 +207,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
         self.recover_own()
         with self.lock:
-            self.version = -1
+            self.version, self._wanted = -1, None
             self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
             self.refresh()
         self.advertise()
@@ -305,7 +306,17 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.resubscribe()
 
     def wanted_queues(self) -> set[str]:
-        """Every (class, band) queue this worker can ever run and that fits free capacity."""
+        """Every (class, band) queue this worker can ever run and that fits free capacity.
+
+        Cached on the class registry version and the allocator's state: on the
+        hot path (dispatch, then release) it is usually asked twice per job.
+        """
+        key = (self.version, self.allocator.state_key())
+        if self._wanted is None or self._wanted[0] != key:
+            self._wanted = (key, self._compute_wanted())
+        return set(self._wanted[1])
+
+    def _compute_wanted(self) -> set[str]:
         free = self.allocator.free_capacity()
         wanted: set[str] = set()
         if self.allocator.held():
