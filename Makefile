@@ -29,6 +29,7 @@ test: lint
 bench: $(STAMP)
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/dispatch.py
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -218,12 +218,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redis-url", help="use this Redis instead of a private redis-server")
     parser.add_argument("--size-mb", type=int, default=100, help="payload size (default 100)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (default 5)")
+    parser.add_argument(
+        "--preemption-trials",
+        type=int,
+        default=3,
+        help="preemptions timed on a real worker by bench/preemption.py (default 3; 0: skip)",
+    )
     args = parser.parse_args(argv)
     if args.redis_url:
         run(args.redis_url, args.size_mb, args.repeats)
+        _preemption(args.redis_url, args.preemption_trials)
         return
     with private_redis() as url:
         run(url, args.size_mb, args.repeats)
+        _preemption(url, args.preemption_trials)
+
+
+def _preemption(url: str, trials: int) -> None:
+    if trials <= 0:
+        return
+    from bench import preemption
+
+    print()
+    preemption.report(preemption.measure(url, trials))
 
 
 if __name__ == "__main__":
