@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from celery import Celery
 from celery_ojs_ml import OJSML
 
 RESULTS_KEY = "ojs-test:results"
+_CUDA_LOCK = threading.RLock()
 _FIRST_GPU_USE: dict[str, Any] = {}
 """Per process: the CUDA_VISIBLE_DEVICES seen at the process's first GPU use."""
 
@@ -37,11 +39,15 @@ def init_fake_cuda() -> None:
     import shutil
     import tempfile
 
-    folder = os.path.join(tempfile.gettempdir(), f"ojs-fake-cuda-{os.getpid()}")
-    os.makedirs(folder, exist_ok=True)
-    target = os.path.join(folder, "libcuda.so.1")
-    shutil.copyfile(_bisect.__file__, target)
-    ctypes.CDLL(target)
+    with _CUDA_LOCK:  # the threads pool runs tasks of one process concurrently
+        folder = os.path.join(tempfile.gettempdir(), f"ojs-fake-cuda-{os.getpid()}")
+        os.makedirs(folder, exist_ok=True)
+        target = os.path.join(folder, "libcuda.so.1")
+        if not os.path.exists(target):
+            partial = f"{target}.{threading.get_ident()}.tmp"
+            shutil.copyfile(_bisect.__file__, partial)
+            os.replace(partial, target)
+        ctypes.CDLL(target)
 
 
 def make_app(broker: str, **conf: Any) -> Celery:
@@ -87,9 +93,11 @@ def _define_tasks(app: Celery, results_url: str) -> None:
         start = time.time()
         cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
         devices = list(getattr(self.request, "ojs_devices", None) or [])
-        if devices and cuda and "cvd" not in _FIRST_GPU_USE:
-            init_fake_cuda()  # the process's first GPU use: CUDA binds the devices here
-            _FIRST_GPU_USE["cvd"] = cvd
+        if devices and cuda:
+            with _CUDA_LOCK:
+                if "cvd" not in _FIRST_GPU_USE:
+                    init_fake_cuda()  # the process's first GPU use: CUDA binds devices here
+                    _FIRST_GPU_USE["cvd"] = cvd
         time.sleep(sleep_s)
         entry = {
             "tag": tag,
