@@ -43,11 +43,11 @@ def init_fake_cuda() -> None:
         folder = os.path.join(tempfile.gettempdir(), f"ojs-fake-cuda-{os.getpid()}")
         os.makedirs(folder, exist_ok=True)
         target = os.path.join(folder, "libcuda.so.1")
-        if not os.path.exists(target):
-            partial = f"{target}.{threading.get_ident()}.tmp"
-            shutil.copyfile(_bisect.__file__, partial)
-            os.replace(partial, target)
+        shutil.copyfile(_bisect.__file__, target)
         ctypes.CDLL(target)
+        # The mapping stays (as "... libcuda.so.1 (deleted)"), so detection still sees it.
+        os.unlink(target)
+        os.rmdir(folder)
 
 
 def make_app(broker: str, **conf: Any) -> Celery:
