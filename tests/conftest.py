@@ -7,7 +7,6 @@ so the tests cannot touch a developer's Redis and leave nothing behind.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -18,17 +17,9 @@ import pytest
 import redis
 
 from celery_ojs_ml.store import OJSStore
+from tests.helpers import free_port, stop_process
 
 _REDIS_START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port != 6379:
-            return port
 
 
 def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -47,15 +38,6 @@ def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`redis://127.0.0.1:<port>/0` of a private redis-server that lives for the session."""
@@ -66,7 +48,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "install it, e.g. `apt-get install redis-server`"
         )
     workdir = tmp_path_factory.mktemp("redis")
-    port = _free_port()
+    port = free_port()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     argv += ["--daemonize", "no", "--dir", str(workdir)]
     log = workdir / "redis.log"
@@ -77,7 +59,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _wait_for_ping(url, proc, log)
         yield url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 @pytest.fixture

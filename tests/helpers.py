@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +34,23 @@ def rejects(attrs: dict[str, Any]) -> SpecError:
     with pytest.raises(SpecError) as info:
         normalize(attrs)
     return info.value
+
+
+def free_port() -> int:
+    """A free loopback port for a private server; never Redis' default 6379."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port != 6379:
+            return port
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server we started; kill it if it does not stop within 5 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 
 from celery_ojs_ml.checkpoint import CheckpointSettings, clear_storage_options, reset_flag
 from celery_ojs_ml.checkpoint.preempt import SIGNAL
+from tests.helpers import free_port, stop_process
 
 _MOTO_START_TIMEOUT_S = 30.0
 
@@ -82,12 +82,6 @@ class Backend:
         return sorted(str(p)[len(root) :] for p in fs.find(root))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_for_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + _MOTO_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -105,7 +99,7 @@ def _wait_for_http(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`http://127.0.0.1:<port>` of a private moto S3 server that lives for the session."""
     workdir = tmp_path_factory.mktemp("moto")
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     log = workdir / "moto.log"
     with log.open("wb") as out:
@@ -115,12 +109,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _wait_for_http(f"{endpoint}/moto-api/", proc, log)
         yield endpoint
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture
