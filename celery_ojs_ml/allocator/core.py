@@ -32,11 +32,14 @@ from celery_ojs_ml.allocator.model import (
 )
 from celery_ojs_ml.allocator.policy import blocker, choose_victims, counted_reasons, is_victim
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict, match
+from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict
+from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.spec.classes import band as band_of
 from celery_ojs_ml.spec.resources import MLRequirements
 
 _COUNTED = frozenset(RESOURCE_NAMES.values())
+_ASSESSED_MAX = 1024
+"""Memoised (request, capacity shape) verdicts kept before the memo is reset."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,10 @@ class Allocator:
         self._held: dict[Hashable, Pending] = {}
         self._seq: dict[Hashable, int] = {}
         self._counter = itertools.count()
+        self._shape: tuple[Any, ...] | None = None
+        self._free_now: Demand | None = None
+        self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, _Assessment]] = {}
+        """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
 
     def try_alloc(
         self,
@@ -90,8 +97,8 @@ class Allocator:
         self._check_new(key)
         band, now = band_of(req), self._clock()
         mine = (-rank(band), -priority, now)
-        ahead = [p for p in self.held() if self._order(p)[:3] <= mine]
-        seen = self._assess(req, ahead)
+        ahead = [p for p in self.held() if self._order(p)[:3] <= mine] if self._held else []
+        seen = self._assess(req, ahead) if ahead else self._assess_now(req)
         if seen.verdict is Verdict.NEVER:
             return Denied(key, task_id, seen.why, seen.reasons)
         if seen.verdict is Verdict.WAIT:
@@ -113,7 +120,10 @@ class Allocator:
     def free(self, key: Hashable) -> Allocation | None:
         """RFC 27 free: release a running job's resources; None if it holds none."""
         job = self._running.pop(key, None)
-        return job.alloc if job else None
+        if job is None:
+            return None
+        self._shape = self._free_now = None
+        return job.alloc
 
     def cancel(self, key: Hashable) -> Pending | None:
         """RFC 27 cancel: drop a held request (revoked, expired); None if not held."""
@@ -158,6 +168,32 @@ class Allocator:
         Equal keys mean equal answers, so callers may cache what they derive.
         """
         return frozenset(self._running), bool(self._held)
+
+    def capacity_key(self) -> Hashable:
+        """Like `state_key`, but equal for any two states with the same *shape*.
+
+        It names the running jobs by what capacity answers depend on (band,
+        preemptibility, counted demand, labels), not by identity, so a worker
+        that keeps starting and finishing alike jobs sees only a few keys and a
+        cache keyed on it (the subscription) stays hot.
+        """
+        if self._shape is None:
+            self._shape = tuple(
+                sorted(
+                    (
+                        a.band,
+                        a.preemptible,
+                        len(a.devices),
+                        a.cpu_cores,
+                        a.memory_gb,
+                        a.tpu_chips,
+                        tuple(sorted(j.labels.items())),
+                    )
+                    for j in self._running.values()
+                    for a in (j.alloc,)
+                )
+            )
+        return self._shape, bool(self._held)
 
     def free_capacity(self) -> FreeCapacity:
         """What is free now, for matching and the subscription."""
@@ -216,9 +252,14 @@ class Allocator:
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
 
     def _free(self, released: Collection[Allocation]) -> Demand:
+        if not released and self._free_now is not None:
+            return self._free_now
         gone = {a.key for a in released}
         used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
-        return self._total.minus(used)
+        free = self._total.minus(used)
+        if not released:
+            self._free_now = free
+        return free
 
     def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
         free, gone = self._free(released), {a.key for a in released}
@@ -232,12 +273,30 @@ class Allocator:
             ),
         )
 
+    def _assess_now(self, req: MLRequirements) -> _Assessment:
+        """`_assess(req, ())`, memoised on the request and the capacity shape.
+
+        With nothing held ahead the answer depends only on the request, the
+        worker's totals and what `capacity_key` describes, so a worker starting
+        alike jobs matches each (request, shape) once. The cache keeps the
+        request object alive, so its `id` cannot be reused while cached.
+        """
+        key = (id(req), self.capacity_key())
+        hit = self._assessed.get(key)
+        if hit is not None and hit[0] is req:
+            return hit[1]
+        seen = self._assess(req, ())
+        if len(self._assessed) >= _ASSESSED_MAX:
+            self._assessed.clear()
+        self._assessed[key] = (req, seen)
+        return seen
+
     def _assess(
         self, req: MLRequirements, ahead: Sequence[Pending], released: Collection[Allocation] = ()
     ) -> _Assessment:
         """FITS / WAIT / NEVER with reasons; counted resources are judged here (reserves)."""
         free = self._free(released)
-        found = match(req, self._caps, self._capacity_view(released)).reasons
+        found = hard_reasons(req, self._caps, self._capacity_view(released))
         reasons = [r for r in found if r.resource not in _COUNTED]
         reasons += counted_reasons(Demand.of(req), self._total, free)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
@@ -271,6 +330,7 @@ class Allocator:
             self._clock(),
         )
         self._running[key] = _Job(alloc, dict(labels))
+        self._shape = self._free_now = None
         return alloc
 
 

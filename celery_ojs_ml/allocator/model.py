@@ -9,7 +9,7 @@ GPUs are pinned to device indices, the rest are plain counts.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
@@ -71,7 +71,12 @@ class Demand:
 
     def items(self) -> list[tuple[str, float]]:
         """(field name, amount) for each counted resource, in a fixed order."""
-        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+        return [
+            ("gpus", self.gpus),
+            ("cpu_cores", self.cpu_cores),
+            ("memory_gb", self.memory_gb),
+            ("tpu_chips", self.tpu_chips),
+        ]
 
     def plus(self, other: Demand) -> Demand:
         """Element-wise sum."""
@@ -93,8 +98,16 @@ class Demand:
 
     def short_of(self, free: Demand) -> list[str]:
         """Field names of the resources this demand uses and `free` cannot cover."""
-        pairs = zip(self.items(), free.items(), strict=True)
-        return [name for (name, want), (_, have) in pairs if want > 0 and want > have]
+        return [
+            name
+            for name, want, have in (
+                ("gpus", self.gpus, free.gpus),
+                ("cpu_cores", self.cpu_cores, free.cpu_cores),
+                ("memory_gb", self.memory_gb, free.memory_gb),
+                ("tpu_chips", self.tpu_chips, free.tpu_chips),
+            )
+            if want > 0 and want > have
+        ]
 
 
 def rank(band: str) -> int:

@@ -12,13 +12,18 @@ Key decisions (research/celery-internals.md §3):
   task the child looks for the CUDA driver (`libcuda.so`) in its own address
   space and, if it is there, exits through billiard's own recycle path (the
   `max_memory_per_child` check, which runs after the result has been sent).
-  Children that never touched CUDA are reused like in plain Celery. With
+  Children that never touched CUDA are reused like in plain Celery. Reading
+  `/proc/self/maps` costs about half a millisecond, so the child first asks
+  glibc how many shared objects it has ever loaded (`dl_iterate_phdr`'s
+  `dlpi_adds`, about a microsecond) and reads the maps only when that changed:
+  CUDA cannot initialise without loading its driver. With
   `ojs_ml_recycle_gpu_children="always"` every child runs one task
   (`worker_max_tasks_per_child=1`); see `integration/worker.py`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Any
@@ -51,6 +56,73 @@ def cuda_initialised(maps: str = "/proc/self/maps") -> bool:
         return True
 
 
+class _PhdrInfo(ctypes.Structure):
+    """The head of glibc's `struct dl_phdr_info` (link.h), up to `dlpi_subs`."""
+
+    _fields_ = [
+        ("dlpi_addr", ctypes.c_void_p),
+        ("dlpi_name", ctypes.c_char_p),
+        ("dlpi_phdr", ctypes.c_void_p),
+        ("dlpi_phnum", ctypes.c_uint16),
+        ("dlpi_adds", ctypes.c_ulonglong),
+        ("dlpi_subs", ctypes.c_ulonglong),
+    ]
+
+
+_PHDR_CALLBACK = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.POINTER(_PhdrInfo), ctypes.c_size_t, ctypes.c_void_p
+)
+_LOADS: dict[str, Any] = {}
+
+
+def loaded_objects() -> int | None:
+    """How many shared objects this process has loaded so far; None where unknown.
+
+    glibc (and musl) keep the count in `dlpi_adds`, which `dl_iterate_phdr`
+    hands to its callback; the callback stops after the first object.
+    """
+    if "iterate" not in _LOADS:
+        _LOADS["iterate"] = None
+        try:
+            iterate = ctypes.CDLL(None).dl_iterate_phdr
+            iterate.argtypes = [_PHDR_CALLBACK, ctypes.c_void_p]
+            iterate.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            return None
+
+        def first(info: Any, size: int, _data: Any) -> int:
+            full = size >= ctypes.sizeof(_PhdrInfo)
+            _LOADS["count"] = int(info.contents.dlpi_adds) if full else None
+            return 1
+
+        _LOADS["callback"] = _PHDR_CALLBACK(first)
+        _LOADS["iterate"] = iterate
+    iterate = _LOADS["iterate"]
+    if iterate is None:
+        return None
+    _LOADS["count"] = None
+    iterate(_LOADS["callback"], None)
+    count: int | None = _LOADS["count"]
+    return count
+
+
+class DriverWatch:
+    """`cuda_initialised()`, read again only when a shared object was loaded since."""
+
+    def __init__(self) -> None:
+        self.clean_at: int | None = None
+        """The load count at the last check that found no driver."""
+
+    def __call__(self) -> bool:
+        count = loaded_objects()
+        if count is not None and count == self.clean_at:
+            return False
+        if cuda_initialised():
+            return True
+        self.clean_at = count
+        return False
+
+
 def billiard_can_retire() -> bool:
     """Whether this billiard has the per-task memory check the retire hook rides on."""
     import inspect
@@ -79,7 +151,8 @@ def install_cuda_retirement() -> None:
 
     real_rss, real_warning = bpool.mem_rss, bpool.warning
     state = {"retiring": False}
-    inherited = cuda_initialised()
+    watch = DriverWatch()
+    inherited = watch()
     if inherited:
         log.warning(
             "ojs-ml: CUDA was initialised in the worker's main process before the pool "
@@ -87,7 +160,7 @@ def install_cuda_retirement() -> None:
         )
 
     def mem_rss() -> int:
-        if inherited or cuda_initialised():
+        if inherited or watch():
             state["retiring"] = True
             log.debug("ojs-ml: pool child %s initialised CUDA; retiring it", os.getpid())
             return RETIRE_KB

@@ -10,10 +10,16 @@ Key decisions:
   expired lease is still readable by whoever claims it. The owner refreshes the
   deadline by heartbeat; a claim is a WATCH/MULTI compare-and-set on the lease
   (no Lua, so fakeredis works), which makes exactly one claimer win.
-* The two writes on every job's hot path, take and release, are one Lua call
-  each (one round trip instead of three for a release). Where the server has
-  no scripting (fakeredis without lupa, in the embedded demo) they fall back to
-  a MULTI pipeline and the compare-and-set.
+* The two writes on every job's hot path, take and release, go through a
+  `LeaseWriter`. In a worker with an event loop (prefork) it batches them: the
+  takes and releases of about a millisecond go out as one MULTI/EXEC (a
+  release is a token-checked Lua call inside it), usually after the job was
+  handed to its pool child, so the write is off the task's start-up path and
+  costs one round trip per batch instead of one per job. The broker message is acked only when
+  its lease is written; a job that finishes before that needs no lease at all.
+  Without an event loop (threads pool, the embedded demo) each write is made at
+  once. Where the server has no scripting (fakeredis without lupa) writes fall
+  back to a MULTI pipeline and the compare-and-set.
 * Every write carries a random token; release and refresh only touch a lease
   whose token is still theirs, so a late release by a dead incarnation (or by
   the claimer, after the re-published job already started elsewhere and wrote
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -142,6 +149,50 @@ class LeaseBook:
             return bool(done)
         return self._cas(task_id, lambda lease: lease.get("token") == token, None) is not None
 
+    def write_batch(
+        self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
+    ) -> bool:
+        """Write leases `(task_id, json, deadline)` and release `(task_id, token)` at once.
+
+        One MULTI/EXEC round trip. Returns whether the takes were written;
+        a release that fails is logged (its lease expires and is claimed).
+        """
+        if self._scripts is None:
+            return self._write_one_by_one(takes, releases)
+        sha = self._scripts["release"].sha
+        with self._r.pipeline(transaction=True) as pipe:
+            for task_id, payload, deadline in takes:
+                pipe.set(self._key(task_id), payload)
+                pipe.zadd(self._index, {task_id: deadline})
+            for task_id, token in releases:
+                pipe.evalsha(sha, 2, self._key(task_id), self._index, task_id, token)
+            results = pipe.execute(raise_on_error=False)
+        written = not any(isinstance(r, Exception) for r in results[: 2 * len(takes)])
+        for (task_id, token), result in zip(releases, results[2 * len(takes) :], strict=True):
+            if isinstance(result, Exception):
+                self._release_again(task_id, token, result)
+        return written
+
+    def _release_again(self, task_id: str, token: str, error: Exception) -> None:
+        """A batched release failed (NOSCRIPT after a server restart, or no Lua): retry it."""
+        try:
+            self.release(task_id, token)
+        except Exception as exc:
+            log.warning("ojs-ml: could not release the lease of %s: %s (%s)", task_id, exc, error)
+
+    def _write_one_by_one(
+        self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
+    ) -> bool:
+        with self._r.pipeline(transaction=True) as pipe:
+            for task_id, payload, deadline in takes:
+                pipe.set(self._key(task_id), payload)
+                pipe.zadd(self._index, {task_id: deadline})
+            if takes:
+                pipe.execute()
+        for task_id, token in releases:
+            self._release_again(task_id, token, RuntimeError("no scripting"))
+        return True
+
     def expired(self) -> list[str]:
         """Task ids whose lease deadline has passed."""
         raw: list[Any] = self._r.zrangebyscore(self._index, "-inf", self._now())
@@ -215,6 +266,86 @@ class LeaseBook:
                     continue
         log.warning("ojs-ml: lease %s is contended; giving up this round", task_id)
         return None
+
+
+class LeaseWriter:
+    """The hot-path lease writes of one worker: batched under an event loop (module doc).
+
+    `defer(fn)` schedules `fn` for later on the worker's event loop; without it
+    every write is made at once. Not thread-safe when deferring: under prefork
+    every call comes from the event loop.
+    """
+
+    def __init__(
+        self, book: LeaseBook, defer: Callable[[Callable[[], None]], Any] | None = None
+    ) -> None:
+        self.book = book
+        self._defer = defer
+        self._takes: dict[str, tuple[str, str, float, Callable[[bool], None]]] = {}
+        self._releases: list[tuple[str, str]] = []
+        self._scheduled = False
+
+    def take(self, record: dict[str, Any], written: Callable[[bool], None]) -> str:
+        """Queue the lease of a job starting now; returns its token.
+
+        `written(ok)` is called once: True when the lease is written (or the
+        job finished before it had to be), False when the store failed. Raises
+        TypeError/ValueError at once when the record is not JSON.
+        """
+        token = uuid.uuid4().hex
+        deadline = self.book._now() + self.book.ttl_s
+        payload = json.dumps({**record, "token": token, "deadline": deadline})
+        task_id = record["task_id"]
+        if self._defer is None:
+            written(self._write([(task_id, payload, deadline)], []))
+            return token
+        self._takes[token] = (task_id, payload, deadline, written)
+        self._schedule()
+        return token
+
+    def release(self, task_id: str, token: str) -> None:
+        """Queue the release of a finished job's lease (token-checked)."""
+        queued = self._takes.pop(token, None)
+        if queued is not None:  # finished before its lease was written: nothing to write
+            queued[3](True)
+            return
+        if self._defer is None:
+            self._write([], [(task_id, token)])
+            return
+        self._releases.append((task_id, token))
+        self._schedule()
+
+    def pending(self) -> int:
+        """Queued writes not yet sent."""
+        return len(self._takes) + len(self._releases)
+
+    def flush(self) -> None:
+        """Send every queued write now (also called before heartbeats and at stop)."""
+        self._scheduled = False
+        takes, self._takes = self._takes, {}
+        releases, self._releases = self._releases, []
+        if not takes and not releases:
+            return
+        ok = self._write([(t, p, d) for t, p, d, _ in takes.values()], releases)
+        for *_, written in takes.values():
+            written(ok)
+
+    def _schedule(self) -> None:
+        if not self._scheduled and self._defer is not None:
+            self._scheduled = True
+            self._defer(self.flush)
+
+    def _write(self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]) -> bool:
+        try:
+            return self.book.write_batch(takes, releases)
+        except Exception as exc:  # store outage: messages stay unacked, leases expire
+            log.warning(
+                "ojs-ml: could not write %d lease(s) and release %d: %s",
+                len(takes),
+                len(releases),
+                exc,
+            )
+            return False
 
 
 def republish_headers(

@@ -50,6 +50,7 @@ class OJSML:
         self._store: OJSStore | None = None
         self._registered: set[tuple[str, str]] = set()
         self._live: tuple[float, list[Capabilities]] = (0.0, [])
+        self._eligible: dict[str, tuple[float, str | None]] = {}
         if isinstance(existing, OJSML):
             return
         app.ojs_ml = self
@@ -119,11 +120,24 @@ class OJSML:
         return cached
 
     def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
-        """The pending reason when no live worker could ever run the job, else None."""
-        results = [match(req, caps) for caps in self.live_workers()]
-        if any(r.eligible for r in results):
+        """The pending reason when no live worker could ever run the job, else None.
+
+        Eligibility depends only on the class (its hard constraints) and the
+        live workers, so it is computed once per class per live-worker refresh.
+        """
+        live = self.live_workers()
+        stamp = self._live[0]
+        known = self._eligible.get(cid)
+        if known is not None and known[0] == stamp:
+            reason = known[1]
+        else:
+            results = [match(req, caps) for caps in live]
+            reason = None if any(r.eligible for r in results) else pending_message(results)
+            if len(self._eligible) >= 4096:
+                self._eligible.clear()
+            self._eligible[cid] = (stamp, reason)
+        if reason is None:
             return None
-        reason = pending_message(results)
         if self.settings.deny_unsatisfiable:
             raise UnsatisfiableError(
                 f"no live worker can ever run this job: {reason}; start a worker that can, "

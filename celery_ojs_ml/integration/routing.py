@@ -10,6 +10,7 @@ None and keep the queue plain Celery routing gives them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
@@ -29,9 +30,14 @@ HEADER_PENDING = "ojs_pending"
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
 
 
-def ml_queue(name: str) -> Queue:
-    """The one definition of a requirement-class queue, used by producers and workers alike."""
-    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+def ml_queue(name: str, *, declare: bool = True) -> Queue:
+    """The one definition of a requirement-class queue, used by producers and workers alike.
+
+    `declare=False` (a worker re-adding a queue it declared on this connection)
+    skips the declaration round trips when it starts consuming again.
+    """
+    exchange = Exchange(name, type="direct")  # type: ignore[no-untyped-call]
+    return Queue(name, exchange, routing_key=name, no_declare=not declare)  # type: ignore[no-untyped-call]
 
 
 def queue_name(logical: str, cid: str, band_name: str) -> str:
@@ -48,11 +54,35 @@ def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, An
     return attrs
 
 
+@dataclass(frozen=True, slots=True)
+class _Resolved:
+    """What the router derives from one (logical queue, declared attributes) pair."""
+
+    req: MLRequirements
+    headers: dict[str, Any]
+    hard: bool
+    cid: str
+    band: str
+    constraints: dict[str, Any]
+
+
+_MEMO_MAX = 1024
+"""Resolved declarations a router keeps before its memo is reset."""
+
+
 class MLRouter:
-    """The `task_routes` entry installed by `OJSML(app)`."""
+    """The `task_routes` entry installed by `OJSML(app)`.
+
+    Validation, normalisation and the class hash are pure functions of the
+    declared attributes and the logical queue, so the router memoises them:
+    a producer publishing the same kind of job again pays a dict lookup, not
+    the validator. Invalid declarations raise every time (they are not kept).
+    """
 
     def __init__(self, plugin: OJSML) -> None:
         self.plugin = plugin
+        self._memo: dict[tuple[str, str], _Resolved] = {}
+        self._queues: dict[str, Queue] = {}
 
     def __call__(
         self,
@@ -67,28 +97,47 @@ class MLRouter:
         if not attrs:
             return None
         logical = self._logical_queue(task, options)
-        req, mlx, _warnings = requirements_of(attrs, logical, self.plugin.parse_options)
-        headers = {**(options.get("headers") or {}), **req.flat(), **mlx}
+        found = self._resolve(attrs, logical)
+        headers = {**(options.get("headers") or {}), **found.headers}
         options["headers"] = headers
-        if not has_hard_constraints(req):
+        if not found.hard:
             return None
-        return self._route(req, logical, options, headers, options.get("task_id"))
+        return self._route(found, logical, options, headers)
+
+    def _resolve(self, attrs: dict[str, Any], logical: str) -> _Resolved:
+        key = (logical, repr(sorted(attrs.items())))
+        found = self._memo.get(key)
+        if found is None:
+            req, mlx, _warnings = requirements_of(attrs, logical, self.plugin.parse_options)
+            hard = has_hard_constraints(req)
+            found = _Resolved(
+                req,
+                {**req.flat(), **mlx},
+                hard,
+                class_id(req),
+                band(req),
+                hard_constraints(req) if hard else {},
+            )
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()
+            self._memo[key] = found
+        return found
 
     def _route(
-        self,
-        req: MLRequirements,
-        logical: str,
-        options: dict[str, Any],
-        headers: dict[str, Any],
-        task_id: str | None,
+        self, found: _Resolved, logical: str, options: dict[str, Any], headers: dict[str, Any]
     ) -> dict[str, Any]:
-        cid, band_name = class_id(req), band(req)
-        self.plugin.register_class(cid, hard_constraints(req), logical)
-        reason = self.plugin.check_satisfiable(req, cid, logical)
+        cid, band_name = found.cid, found.band
+        self.plugin.register_class(cid, found.constraints, logical)
+        reason = self.plugin.check_satisfiable(found.req, cid, logical)
         if reason is not None:
             headers[HEADER_PENDING] = reason
         headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
-        queue = ml_queue(queue_name(logical, cid, band_name))
+        name = queue_name(logical, cid, band_name)
+        queue = self._queues.get(name)
+        if queue is None:
+            if len(self._queues) >= _MEMO_MAX:
+                self._queues.clear()
+            queue = self._queues[name] = ml_queue(name)
         options["queue"] = queue  # an explicit queue= names the logical queue, not the destination
         return {"queue": queue}
 

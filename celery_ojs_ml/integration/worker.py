@@ -17,7 +17,6 @@ Key decisions (research/celery-internals.md §1-§4):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -36,7 +35,7 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resol
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
-from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
+from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.routing import HEADER_CLASS, HEADER_PENDING, ml_queue, queue_name
 from celery_ojs_ml.integration.wakeup import wake_consumer
@@ -49,6 +48,10 @@ log = logging.getLogger(__name__)
 GATES: dict[str, MLWorker] = {}
 _REQ_CACHE: dict[str, MLRequirements] = {}
 _CAPS_CACHE: dict[str | None, Capabilities] = {}
+_WANTED_CACHE = 256
+_FLUSH_DELAY_S = 0.001
+"""How long lease writes wait to share a round trip (module `leases`, `LeaseWriter`)."""
+"""Subscription sets cached per (registry version, capacity shape) before the cache resets."""
 
 
 def install(app: Celery) -> None:
@@ -174,7 +177,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         )
         self.preemptions = Preemptions(self)
         self.hold_until: dict[Any, float] = {}
-        self._wanted: tuple[Any, set[str]] | None = None
+        self._wanted: dict[Any, frozenset[str]] = {}
+        self._declared: set[str] = set()
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
         self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
@@ -182,6 +186,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.lock = threading.RLock()
         self.incarnation = uuid.uuid4().hex
         self.tokens: dict[Any, str] = {}
+        self.unacked: dict[Any, bool] = {}
+        """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
@@ -205,9 +211,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         s = self.settings
         self.store = self.app.ojs_ml.store
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
+        self.writer = LeaseWriter(self.leases, self._deferrer(c))
         self.recover_own()
         with self.lock:
-            self.version, self._wanted = -1, None
+            self.version, self._wanted, self._declared = -1, {}, set()
             self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
             self.refresh()
         self.advertise()
@@ -224,10 +231,30 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             self._timers.append(c.timer.call_repeatedly(0.2, maintain))
         log.info("ojs-ml: %s", self.banner())
 
+    @staticmethod
+    def _deferrer(c: Any) -> Any:
+        """Run a lease flush about a millisecond from now on the event loop; None without one.
+
+        The loop hands a dispatched job to its pool child on the poll that
+        follows the dispatch, so a flush due a millisecond later usually runs
+        after that hand-off: the lease round trip stays off the task's start,
+        and every take and release of that millisecond share one round trip.
+        A timer (not `call_soon` twice) bounds the delay: the loop may sleep
+        in its poll for up to a second before it runs a second `call_soon`.
+        """
+        hub = getattr(c, "hub", None)
+        if hub is None:
+            return None
+        return lambda fn: hub.call_later(_FLUSH_DELAY_S, fn)
+
     def stop(self, c: Any) -> None:
         for timer in self._timers:
             timer.cancel()
         self._timers = []
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            with self.lock:
+                writer.flush()
         with self.lock:
             for pending in self.allocator.held():
                 self.allocator.cancel(pending.key)
@@ -308,13 +335,18 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     def wanted_queues(self) -> set[str]:
         """Every (class, band) queue this worker can ever run and that fits free capacity.
 
-        Cached on the class registry version and the allocator's state: on the
-        hot path (dispatch, then release) it is usually asked twice per job.
+        Cached on the class registry version and the shape of the allocator's
+        state (`Allocator.capacity_key`): on the hot path (dispatch, then
+        release) it is asked twice per job, and a worker running alike jobs
+        cycles through a handful of shapes, so matching runs only on a miss.
         """
-        key = (self.version, self.allocator.state_key())
-        if self._wanted is None or self._wanted[0] != key:
-            self._wanted = (key, self._compute_wanted())
-        return set(self._wanted[1])
+        key = (self.version, self.allocator.capacity_key())
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            if len(self._wanted) >= _WANTED_CACHE:
+                self._wanted.clear()
+            wanted = self._wanted[key] = frozenset(self._compute_wanted())
+        return set(wanted)
 
     def _compute_wanted(self) -> set[str]:
         free = self.allocator.free_capacity()
@@ -343,7 +375,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 tc.cancel_by_queue(name)
             added = sorted(wanted - self.subscribed)
             for name in added:
-                tc.add_queue(ml_queue(name))
+                # Declared once per connection (start() runs again after a reconnect):
+                # re-declaring costs broker round trips on every release otherwise.
+                tc.add_queue(ml_queue(name, declare=name not in self._declared))
+                self._declared.add(name)
             if added:
                 tc.consume()
             self.subscribed = wanted
@@ -429,7 +464,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 return
             token = self.tokens.pop(req, None)
         if token is not None:
-            self._release_lease(req.id, token)
+            self.writer.release(req.id, token)
+        if self.unacked.pop(req, False):
+            self._ack(req)  # its lease could not be written: the message held it
         log.debug("ojs-ml: released %s", req.id)
         hub = getattr(self.c, "hub", None)
         if hub is not None and threading.current_thread() is threading.main_thread():
@@ -491,29 +528,42 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         }
 
     def _take_lease(self, req: Any, alloc: Allocation) -> None:
-        """Write the job's lease, then ack its message: from now on the lease holds the job."""
-        try:
-            record = self._job_record(req, alloc)
-            json.dumps(record)
-            self.tokens[req] = self.leases.take(record)
-        except (TypeError, ValueError) as exc:
-            log.warning("ojs-ml: %s keeps its broker message (arguments not JSON: %s)", req.id, exc)
-            return
-        except Exception as exc:  # store outage: fall back to the broker's redelivery
-            log.warning("ojs-ml: could not write the lease of %s: %s", req.id, exc)
-            return
-        req.acknowledge()
+        """Write the job's lease, then ack its message: from now on the lease holds the job.
 
-    def _release_lease(self, task_id: str, token: str) -> None:
+        The write may be batched (`LeaseWriter`), so Celery's own ack (at accept)
+        is suppressed here and `_lease_written` acks once the lease exists. If
+        the lease cannot be written, the message stays unacked until the job
+        ends, so the broker still holds the job.
+        """
+        record = self._job_record(req, alloc)
+        req.acknowledged = True  # Celery must not ack before the lease is written
         try:
-            self.leases.release(task_id, token)
-        except Exception as exc:
-            log.warning("ojs-ml: could not release the lease of %s: %s", task_id, exc)
+            self.tokens[req] = self.writer.take(record, lambda ok: self._lease_written(req, ok))
+        except (TypeError, ValueError) as exc:
+            req.acknowledged = False
+            log.warning("ojs-ml: %s keeps its broker message (arguments not JSON: %s)", req.id, exc)
+
+    def _lease_written(self, req: Any, ok: bool) -> None:
+        """The lease of `req` exists (or it ended first): ack; else the message holds it."""
+        if ok:
+            self._ack(req)
+            return
+        log.warning("ojs-ml: no lease for %s; its broker message holds it until it ends", req.id)
+        self.unacked[req] = True
+
+    def _ack(self, req: Any) -> None:
+        """Ack a gate-managed request's message once, past the suppression above."""
+        if getattr(req, "_ojs_acked", False):
+            return
+        req._ojs_acked = True
+        req.acknowledged = False
+        req.acknowledge()
 
     def tend_leases(self) -> None:
         """Heartbeat our leases; claim and re-publish jobs whose worker died."""
         try:
             with self.lock:
+                self.writer.flush()  # queued takes first, or they would look lost
                 mine = {req.id: token for req, token in self.tokens.items()}
             lost = self.leases.refresh(mine)
             if lost:

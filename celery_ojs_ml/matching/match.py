@@ -52,11 +52,18 @@ def match(
     locality_weight: int = DEFAULT_LOCALITY_WEIGHT,
 ) -> MatchResult:
     """Check every hard constraint; the verdict is the worst reason's."""
-    reasons = tuple(r for f in FILTERS for r in f(req, worker, free))
+    reasons = hard_reasons(req, worker, free)
     if any(r.verdict is Verdict.NEVER for r in reasons):
         return MatchResult(Verdict.NEVER, reasons, 0.0)
     verdict = Verdict.WAIT if reasons else Verdict.FITS
     return MatchResult(verdict, reasons, score(req, worker, locality_weight=locality_weight))
+
+
+def hard_reasons(
+    req: MLRequirements, worker: Capabilities, free: FreeCapacity | None = None
+) -> tuple[Reason, ...]:
+    """Every hard constraint `worker` (with `free`) misses; `match` without the score."""
+    return tuple(r for f in FILTERS for r in f(req, worker, free))
 
 
 def score(

@@ -59,7 +59,11 @@ def make_app(broker: str, **conf: Any) -> Celery:
         task_create_missing_queues=True,
         worker_prefetch_multiplier=1,
         broker_transport_options={
-            "visibility_timeout": float(os.environ.get("OJS_TEST_VISIBILITY", "3600"))
+            "visibility_timeout": float(os.environ.get("OJS_TEST_VISIBILITY", "3600")),
+            # kombu sweeps unacked messages every interval x throttle s (100 s by default);
+            # a message whose worker died before its lease was written waits for that sweep.
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
         },
         result_expires=None,
         worker_hijack_root_logger=False,

@@ -43,8 +43,10 @@ def test_a_killed_torch_training_resumes_elsewhere_with_bit_identical_weights(
         while int(redis_client.get(f"ojs-test:torch-epoch:{task_id}") or -1) < 2:
             assert time.monotonic() < deadline, a.output()[-3000:]
             time.sleep(0.05)
-        b.start().wait_live(store)
+        # Kill first, then start the survivor: started earlier, a slow start-up on a
+        # loaded machine could let `a` finish all epochs before the kill.
         a.kill()
+        b.start().wait_live(store)
         deadline = time.monotonic() + 90
         while not redis_client.get(f"ojs-test:torch-weights:{task_id}"):
             assert time.monotonic() < deadline, b.output()[-3000:]

@@ -20,6 +20,7 @@ from celery import Celery
 
 from celery_ojs_ml.capabilities import resolve_capabilities
 from celery_ojs_ml.errors import UnsatisfiableError
+from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.matching import match
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.store import OJSStore
@@ -98,6 +99,13 @@ def test_a_mixed_batch_on_two_gpu_workers_respects_capacity_placement_and_pinnin
             )
         plain = [app.tasks["plain.add"].apply_async(args=[i, i]) for i in range(5)]
         records = _results(redis_client, len(MIX) + len(plain))
+        # Decision 4: every message was acked once its lease was written (the writes are
+        # batched), and every finished job's lease was released.
+        leases = LeaseBook(ojs_store, ttl_s=30)
+        deadline = time.monotonic() + 10
+        while redis_client.hlen("unacked") or leases.all():
+            assert time.monotonic() < deadline, (redis_client.hkeys("unacked"), leases.all())
+            time.sleep(0.05)
     gpu = [r for r in records if r["tag"] != "plain"]
     assert sorted(r["tag"] for r in gpu) == sorted(published)
 

@@ -12,7 +12,7 @@ import fakeredis
 import pytest
 import redis
 
-from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.store import OJSStore
 
 
@@ -76,3 +76,129 @@ def test_without_scripting_the_book_falls_back_by_itself() -> None:
     assert leases.get("job-1") is not None
     assert leases.release("job-1", token) is True
     assert leases.get("job-1") is None
+
+
+class Loop:
+    """Stands in for the worker's event loop: deferred calls run when told to."""
+
+    def __init__(self) -> None:
+        self.queued: list[Any] = []
+
+    def defer(self, fn: Any) -> None:
+        self.queued.append(fn)
+
+    def turn(self) -> None:
+        queued, self.queued = self.queued, []
+        for fn in queued:
+            fn()
+
+
+def _commands(client: redis.Redis, name: str) -> int:
+    stats: dict[str, Any] = client.info("commandstats")
+    return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
+def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_transaction(
+    book: tuple[LeaseBook, Clock], redis_client: redis.Redis
+) -> None:
+    """DESIGN decision 4: the lease is written before the ack, and batched under a loop."""
+    leases, _ = book
+    lua = leases._scripts is not None
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    acks: list[tuple[str, bool]] = []
+    old = leases.take(_record("done-1"))
+    writer_old = {"done-1": old}
+    exec_before = _commands(redis_client, "exec")
+    tokens = {
+        f"job-{i}": writer.take(_record(f"job-{i}"), lambda ok, i=i: acks.append((f"job-{i}", ok)))
+        for i in range(3)
+    }
+    writer.release("done-1", writer_old["done-1"])
+    assert acks == [] and writer.pending() == 4 and len(loop.queued) == 1
+    assert leases.get("job-0") is None, "nothing is written before the loop turns"
+    loop.turn()
+    assert sorted(acks) == [("job-0", True), ("job-1", True), ("job-2", True)]
+    # One MULTI/EXEC for the batch; without Lua the release is a compare-and-set of its own.
+    assert _commands(redis_client, "exec") - exec_before == (1 if lua else 2)
+    for task_id, token in tokens.items():
+        lease = leases.get(task_id)
+        assert lease is not None and lease["token"] == token
+    assert leases.get("done-1") is None
+    assert writer.pending() == 0
+
+
+def test_a_job_that_ends_before_its_lease_is_written_needs_no_lease(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    acks: list[bool] = []
+    token = writer.take(_record("quick"), acks.append)
+    writer.release("quick", token)
+    assert acks == [True], "its message is acked at once: the job is over"
+    loop.turn()
+    assert leases.get("quick") is None and leases.all() == []
+
+
+def test_release_of_an_old_run_never_deletes_the_new_runs_queued_lease(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    """A preempted job re-published and started again here in the same loop turn."""
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    old = leases.take(_record("again"))
+    new = writer.take(_record("again"), lambda ok: None)
+    writer.release("again", old)
+    loop.turn()
+    lease = leases.get("again")
+    assert lease is not None and lease["token"] == new
+
+
+def test_when_the_store_fails_the_writer_reports_the_take_unwritten(
+    redis_client: redis.Redis,
+) -> None:
+    leases = LeaseBook(OJSStore(redis_client, prefix="lt"), ttl_s=30)
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    leases._r = dead  # the store goes away after start-up
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    acks: list[bool] = []
+    writer.take(_record("lost-store"), acks.append)
+    loop.turn()
+    assert acks == [False], "the broker message must keep holding the job"
+
+
+def test_without_a_loop_the_writer_writes_at_once(book: tuple[LeaseBook, Clock]) -> None:
+    leases, _ = book
+    writer = LeaseWriter(leases, None)
+    acks: list[bool] = []
+    token = writer.take(_record("sync"), acks.append)
+    assert acks == [True] and leases.get("sync") is not None
+    writer.release("sync", token)
+    assert leases.get("sync") is None and writer.pending() == 0
+
+
+def test_a_record_that_is_not_json_raises_at_take(book: tuple[LeaseBook, Clock]) -> None:
+    leases, _ = book
+    writer = LeaseWriter(leases, Loop().defer)
+    with pytest.raises(TypeError):
+        writer.take({**_record("bad"), "args": [object()]}, lambda ok: None)
+    assert writer.pending() == 0
+
+
+def test_writer_on_fakeredis_without_lua_falls_back_by_itself() -> None:
+    leases = LeaseBook(OJSStore(fakeredis.FakeRedis(), prefix="lt"), ttl_s=30)
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    acks: list[bool] = []
+    old = leases.take(_record("f-1"))
+    token = writer.take(_record("f-2"), acks.append)
+    writer.release("f-1", old)
+    loop.turn()
+    assert acks == [True]
+    assert leases.get("f-1") is None
+    lease = leases.get("f-2")
+    assert lease is not None and lease["token"] == token

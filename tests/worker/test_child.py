@@ -32,6 +32,44 @@ def test_an_unreadable_maps_file_means_assume_the_worst(tmp_path: Path) -> None:
     assert child.cuda_initialised(str(tmp_path / "missing"))
 
 
+def test_the_load_count_grows_when_a_shared_object_is_loaded(tmp_path: Path) -> None:
+    import _bisect
+    import ctypes
+    import shutil
+
+    before = child.loaded_objects()
+    assert isinstance(before, int) and before > 0  # glibc on this machine
+    assert child.loaded_objects() == before  # nothing loaded in between
+    copy = tmp_path / "libfake.so"
+    shutil.copy(_bisect.__file__, copy)
+    ctypes.CDLL(str(copy))
+    after = child.loaded_objects()
+    assert after is not None and after > before
+
+
+def test_the_driver_watch_reads_the_maps_only_after_a_new_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[int] = []
+    state = {"loads": 5, "cuda": False}
+    monkeypatch.setattr(child, "loaded_objects", lambda: state["loads"])
+
+    def maps(path: str = "") -> bool:
+        reads.append(1)
+        return state["cuda"]
+
+    monkeypatch.setattr(child, "cuda_initialised", maps)
+    watch = child.DriverWatch()
+    assert not watch() and len(reads) == 1
+    assert not watch() and len(reads) == 1  # same load count: no read
+    state["loads"], state["cuda"] = 6, True
+    assert watch() and len(reads) == 2
+    assert watch() and len(reads) == 3  # once found, it stays found (never cached as clean)
+    monkeypatch.setattr(child, "loaded_objects", lambda: None)  # unknown count: always read
+    state["cuda"] = False
+    assert not watch() and not watch() and len(reads) == 5
+
+
 def test_this_billiard_has_the_hook_retirement_rides_on() -> None:
     assert child.billiard_can_retire()
 
@@ -55,8 +93,9 @@ def restore_billiard() -> Any:
 def test_the_retirement_hook_reports_real_memory_until_cuda_is_initialised(
     monkeypatch: pytest.MonkeyPatch, restore_billiard: Any
 ) -> None:
-    state = {"cuda": False}
+    state = {"cuda": False, "loads": 10}
     monkeypatch.setattr(child, "cuda_initialised", lambda maps="": state["cuda"])
+    monkeypatch.setattr(child, "loaded_objects", lambda: state["loads"])
     monkeypatch.setattr(bpool, "mem_rss", lambda: 1234)
     total = (
         bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL
@@ -64,6 +103,7 @@ def test_the_retirement_hook_reports_real_memory_until_cuda_is_initialised(
     )
     child.install_cuda_retirement()
     assert bpool.mem_rss() == 1234  # a user's own max_memory_per_child still works
+    state["loads"] += 1  # the driver cannot initialise without loading a shared object
     state["cuda"] = True
     assert bpool.mem_rss() == child.RETIRE_KB > child.NO_LIMIT_KB
     # The exit poll is faster but waits as long in all.
