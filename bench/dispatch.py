@@ -282,8 +282,10 @@ class Bench:
         run = self.run_id(f"tput-{variant.key}")
         self.results.delete(RESULTS_KEY)
         before = commandstats(self.results)
+        cpu0 = main_cpu_s(worker.proc.pid)
         publish_s = [self.publish(variant, run, i) for i in range(n)]
         records = self.collect(run, n, worker)
+        cpu1 = main_cpu_s(worker.proc.pid)
         after = commandstats(self.results)
         first = min(r.published for r in records)
         last = max(r.end for r in records)
@@ -292,6 +294,7 @@ class Bench:
             "tasks_per_s": n / (last - first),
             "publish_us": statistics.median(publish_s) * 1e6,
             "child_pids": len({r.pid for r in records}),
+            "main_cpu_ms_per_task": (cpu1 - cpu0) / n * 1000,
             "redis_calls_per_task": {k: round(v, 3) for k, v in sorted(calls.items()) if v},
         }
 
@@ -344,6 +347,15 @@ def _parse(raw: bytes | str) -> tuple[str, Record] | None:
         return None
     run, seq, published, start, end, pid = parts
     return run, Record(int(seq), float(published), float(start), float(end), int(pid))
+
+
+def main_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the worker's main process has used; 0 where unknown."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def commandstats(client: redis.Redis) -> dict[str, int]:
@@ -454,6 +466,7 @@ def summarise(
             "tasks_per_s": rates,
             "tasks_per_s_median": statistics.median(rates),
             "child_pids_per_round": [r["child_pids"] for r in tput[key]],
+            "main_cpu_ms_per_task": statistics.median(r["main_cpu_ms_per_task"] for r in tput[key]),
             "publish_us_burst": statistics.median(r["publish_us"] for r in tput[key]),
             "latency": {p: latency_summary(lat[p][key]) for p in PACINGS},
             "redis_calls_per_task": tput[key][-1]["redis_calls_per_task"],
@@ -511,15 +524,16 @@ def table(result: dict[str, Any]) -> str:
         f"{hot['tasks_per_round']}/round {hot['gap_ms']:g} ms apart, idle = "
         f"{idle['tasks_per_round']}/round {idle['gap_ms']:g} ms apart",
         "",
-        f"{'':44s} {'':>8s} {'hot latency ms':^23s} {'idle latency ms':^15s}",
-        f"{'worker (no-op task, 1 simulated GPU)':44s} {'tasks/s':>8s} {'p50':>7s} {'p99':>7s} "
-        f"{'publ.':>7s} {'p50':>7s} {'p99':>7s}",
+        f"{'':44s} {'':>8s} {'main CPU':>9s} {'hot latency ms':^23s} {'idle latency ms':^15s}",
+        f"{'worker (no-op task, 1 simulated GPU)':44s} {'tasks/s':>8s} {'ms/task':>9s} "
+        f"{'p50':>7s} {'p99':>7s} {'publ.':>7s} {'p50':>7s} {'p99':>7s}",
     ]
     for key in ("plain", "plugin", "retire"):
         x = v[key]
         h, i = x["latency"]["hot"], x["latency"]["idle"]
         lines.append(
-            f"{x['label']:44s} {x['tasks_per_s_median']:8.1f} {h['p50_ms']:7.2f} "
+            f"{x['label']:44s} {x['tasks_per_s_median']:8.1f} {x['main_cpu_ms_per_task']:9.2f} "
+            f"{h['p50_ms']:7.2f} "
             f"{h['p99_ms']:7.2f} {h['publish_call_p50_ms']:7.2f} {i['p50_ms']:7.2f} "
             f"{i['p99_ms']:7.2f}"
         )
@@ -577,6 +591,8 @@ def table(result: dict[str, Any]) -> str:
         "hot/idle: 'publ.' is the p50 of the publish call itself (the plugin routes inside it); "
         f"p99 is over {v['plain']['latency']['hot']['samples']} (hot) and "
         f"{v['plain']['latency']['idle']['samples']} (idle) samples",
+        "main CPU ms/task: user+system CPU of the worker's main process over the throughput "
+        "phase, per task (median of rounds); on 2 vCPUs the main process is the bottleneck",
         "wake-up = start(k+1) - end(k) of consecutive task bodies on a worker with 1 GPU: it "
         "includes the result hand-back to the main process, the gate freeing the GPU and the "
         "hand-off of the held task to a pool child",

@@ -12,8 +12,8 @@ Key decisions:
   (no Lua, so fakeredis works), which makes exactly one claimer win.
 * The two writes on every job's hot path, take and release, go through a
   `LeaseWriter`. In a worker with an event loop (prefork) it batches them: the
-  takes and releases of about a millisecond go out as one MULTI/EXEC (a
-  release is a token-checked Lua call inside it), usually after the job was
+  takes and releases of about a millisecond go out as one Lua call (releases
+  token-checked, as below), usually after the job was
   handed to its pool child, so the write is off the task's start-up path and
   costs one round trip per batch instead of one per job. The broker message is acked only when
   its lease is written; a job that finishes before that needs no lease at all.
@@ -28,9 +28,11 @@ Key decisions:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +61,32 @@ if ok and type(lease) == 'table' and lease['token'] == ARGV[2] then
 end
 return 0
 """
+_BATCH = """
+local takes = tonumber(ARGV[1])
+local a = 2
+for i = 1, takes do
+  redis.call('SET', KEYS[1 + i], ARGV[a + 1])
+  redis.call('ZADD', KEYS[1], ARGV[a + 2], ARGV[a])
+  a = a + 3
+end
+local released = 0
+for i = takes + 1, #KEYS - 1 do
+  local id, token = ARGV[a], ARGV[a + 1]
+  a = a + 2
+  local raw = redis.call('GET', KEYS[1 + i])
+  if not raw then
+    redis.call('ZREM', KEYS[1], id)
+  else
+    local ok, lease = pcall(cjson.decode, raw)
+    if ok and type(lease) == 'table' and lease['token'] == token then
+      redis.call('DEL', KEYS[1 + i])
+      redis.call('ZREM', KEYS[1], id)
+      released = released + 1
+    end
+  end
+end
+return released
+"""
 _NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
 
 
@@ -73,6 +101,7 @@ class LeaseBook:
         self._scripts: dict[str, Any] | None = {
             "take": self._r.register_script(_TAKE),
             "release": self._r.register_script(_RELEASE),
+            "batch": self._r.register_script(_BATCH),
         }
 
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
@@ -149,29 +178,43 @@ class LeaseBook:
             return bool(done)
         return self._cas(task_id, lambda lease: lease.get("token") == token, None) is not None
 
+    @property
+    def batch_sha(self) -> str | None:
+        """SHA1 of the batch script; None where the store has no scripting."""
+        return None if self._scripts is None else str(self._scripts["batch"].sha)
+
+    def load_scripts(self) -> None:
+        """Load the batch script now, so that a bare EVALSHA finds it."""
+        if self._scripts is not None:
+            self._r.script_load(_BATCH)
+
+    def batch_arguments(
+        self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
+    ) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the batch script."""
+        keys = [self._index]
+        args: list[Any] = [len(takes)]
+        for task_id, payload, deadline in takes:
+            keys.append(self._key(task_id))
+            args += [task_id, payload, deadline]
+        for task_id, token in releases:
+            keys.append(self._key(task_id))
+            args += [task_id, token]
+        return keys, args
+
     def write_batch(
         self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
     ) -> bool:
         """Write leases `(task_id, json, deadline)` and release `(task_id, token)` at once.
 
-        One MULTI/EXEC round trip. Returns whether the takes were written;
-        a release that fails is logged (its lease expires and is claimed).
+        One Lua call (one round trip, one reply to parse), atomic like a
+        MULTI/EXEC. Returns whether the takes were written; raises when the
+        store is unreachable (the caller keeps the messages unacked).
         """
-        if self._scripts is None:
-            return self._write_one_by_one(takes, releases)
-        sha = self._scripts["release"].sha
-        with self._r.pipeline(transaction=True) as pipe:
-            for task_id, payload, deadline in takes:
-                pipe.set(self._key(task_id), payload)
-                pipe.zadd(self._index, {task_id: deadline})
-            for task_id, token in releases:
-                pipe.evalsha(sha, 2, self._key(task_id), self._index, task_id, token)
-            results = pipe.execute(raise_on_error=False)
-        written = not any(isinstance(r, Exception) for r in results[: 2 * len(takes)])
-        for (task_id, token), result in zip(releases, results[2 * len(takes) :], strict=True):
-            if isinstance(result, Exception):
-                self._release_again(task_id, token, result)
-        return written
+        keys, args = self.batch_arguments(takes, releases)
+        if self._script("batch", keys, args) is not None:
+            return True
+        return self._write_one_by_one(takes, releases)
 
     def _release_again(self, task_id: str, token: str, error: Exception) -> None:
         """A batched release failed (NOSCRIPT after a server restart, or no Lua): retry it."""
@@ -268,22 +311,35 @@ class LeaseBook:
         return None
 
 
+Batch = tuple[list[tuple[str, str, float]], list[tuple[str, str]], list[Callable[[bool], None]]]
+"""Takes `(task_id, json, deadline)`, releases `(task_id, token)` and the takes' callbacks."""
+
+
 class LeaseWriter:
     """The hot-path lease writes of one worker: batched under an event loop (module doc).
 
     `defer(fn)` schedules `fn` for later on the worker's event loop; without it
-    every write is made at once. Not thread-safe when deferring: under prefork
-    every call comes from the event loop.
+    every write is made at once. With `loop` (the worker's kombu hub) a batch
+    is sent on a connection of its own and its reply is read when the loop
+    sees it arrive, so the event loop never sits waiting for the store. Not
+    thread-safe when deferring: under prefork every call comes from the loop.
     """
 
     def __init__(
-        self, book: LeaseBook, defer: Callable[[Callable[[], None]], Any] | None = None
+        self,
+        book: LeaseBook,
+        defer: Callable[[Callable[[], None]], Any] | None = None,
+        loop: Any = None,
     ) -> None:
         self.book = book
         self._defer = defer
+        self._loop = loop if defer is not None else None
         self._takes: dict[str, tuple[str, str, float, Callable[[bool], None]]] = {}
         self._releases: list[tuple[str, str]] = []
         self._scheduled = False
+        self._conn: Any = None
+        self._fd: int | None = None
+        self._inflight: deque[Batch] = deque()
 
     def take(self, record: dict[str, Any], written: Callable[[bool], None]) -> str:
         """Queue the lease of a job starting now; returns its token.
@@ -316,19 +372,28 @@ class LeaseWriter:
         self._schedule()
 
     def pending(self) -> int:
-        """Queued writes not yet sent."""
-        return len(self._takes) + len(self._releases)
+        """Queued writes not yet sent, plus batches sent whose reply has not been read."""
+        return len(self._takes) + len(self._releases) + len(self._inflight)
 
-    def flush(self) -> None:
-        """Send every queued write now (also called before heartbeats and at stop)."""
+    def flush(self, wait: bool = False) -> None:
+        """Send every queued write now; with `wait`, also wait for every reply.
+
+        The worker waits before its lease heartbeat (which must see the new
+        leases) and at stop.
+        """
         self._scheduled = False
         takes, self._takes = self._takes, {}
         releases, self._releases = self._releases, []
-        if not takes and not releases:
-            return
-        ok = self._write([(t, p, d) for t, p, d, _ in takes.values()], releases)
-        for *_, written in takes.values():
-            written(ok)
+        if takes or releases:
+            batch: Batch = (
+                [(t, p, d) for t, p, d, _ in takes.values()],
+                releases,
+                [written for *_, written in takes.values()],
+            )
+            if not self._send(batch):
+                self._finish(batch, self._write(batch[0], batch[1]))
+        if wait:
+            self._drain()
 
     def _schedule(self) -> None:
         if not self._scheduled and self._defer is not None:
@@ -346,6 +411,96 @@ class LeaseWriter:
                 exc,
             )
             return False
+
+    @staticmethod
+    def _finish(batch: Batch, ok: bool) -> None:
+        for written in batch[2]:
+            written(ok)
+
+    # -- replies read by the event loop -------------------------------------------------------
+
+    def _send(self, batch: Batch) -> bool:
+        """Send `batch` without waiting for its reply; False when it must go synchronously."""
+        conn = self._connection()
+        if conn is None:
+            return False
+        keys, args = self.book.batch_arguments(batch[0], batch[1])
+        try:
+            conn.send_command("EVALSHA", self.book.batch_sha, len(keys), *keys, *args)
+        except Exception as exc:
+            self._lost(exc)
+            return False
+        self._inflight.append(batch)
+        return True
+
+    def _connection(self) -> Any:
+        if self._loop is None:
+            return None
+        if self._conn is not None:
+            return self._conn
+        pool = getattr(self.book.store.client, "connection_pool", None)
+        if pool is None or self.book.batch_sha is None:
+            self._loop = None  # a cluster client or no scripting: synchronous writes
+            return None
+        try:
+            self.book.load_scripts()
+            conn = pool.make_connection()
+            conn.connect()
+            self._fd = conn._sock.fileno()
+            self._loop.add_reader(self._fd, self._on_readable)
+        except Exception as exc:
+            log.warning("ojs-ml: lease writes wait for their replies (%s)", exc)
+            self._loop = None
+            return None
+        self._conn = conn
+        return conn
+
+    def _on_readable(self) -> None:
+        """The event loop saw replies arrive: settle every batch whose reply is in."""
+        try:
+            while self._inflight and self._conn is not None and self._conn.can_read(timeout=0):
+                self._settle_one()
+        except Exception as exc:
+            self._lost(exc)
+
+    def _drain(self) -> None:
+        try:
+            while self._inflight and self._conn is not None:
+                self._settle_one()
+        except Exception as exc:
+            self._lost(exc)
+
+    def _settle_one(self) -> None:
+        try:
+            self._conn.read_response()
+        except redis.ResponseError as exc:  # NOSCRIPT after a server restart, or a script error
+            batch = self._inflight.popleft()
+            log.info("ojs-ml: a batched lease write failed (%s); writing it again", exc)
+            self._finish(batch, self._write(batch[0], batch[1]))
+            return
+        self._finish(self._inflight.popleft(), True)
+
+    def _lost(self, exc: Exception) -> None:
+        """The connection broke: forget it; batches without a reply are written again."""
+        log.warning(
+            "ojs-ml: lease connection lost (%s); writing %d batch(es) again",
+            exc,
+            len(self._inflight),
+        )
+        self.close()
+        while self._inflight:
+            batch = self._inflight.popleft()
+            self._finish(batch, self._write(batch[0], batch[1]))  # writes are idempotent
+
+    def close(self) -> None:
+        """Drop the writer's own connection (the next batch opens another)."""
+        conn, self._conn = self._conn, None
+        if self._fd is not None and self._loop is not None:
+            with contextlib.suppress(Exception):  # the loop may be gone at shutdown
+                self._loop.remove_reader(self._fd)
+        self._fd = None
+        if conn is not None:
+            conn.disconnect()
 
 
 def republish_headers(

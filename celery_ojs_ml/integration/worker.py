@@ -49,7 +49,7 @@ GATES: dict[str, MLWorker] = {}
 _REQ_CACHE: dict[str, MLRequirements] = {}
 _CAPS_CACHE: dict[str | None, Capabilities] = {}
 _WANTED_CACHE = 256
-_FLUSH_DELAY_S = 0.001
+_FLUSH_DELAY_S = 0.002
 """How long lease writes wait to share a round trip (module `leases`, `LeaseWriter`)."""
 """Subscription sets cached per (registry version, capacity shape) before the cache resets."""
 
@@ -211,7 +211,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         s = self.settings
         self.store = self.app.ojs_ml.store
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
-        self.writer = LeaseWriter(self.leases, self._deferrer(c))
+        self.writer = LeaseWriter(self.leases, self._deferrer(c), getattr(c, "hub", None))
         self.recover_own()
         with self.lock:
             self.version, self._wanted, self._declared = -1, {}, set()
@@ -254,7 +254,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         writer = getattr(self, "writer", None)
         if writer is not None:
             with self.lock:
-                writer.flush()
+                writer.flush(wait=True)
+                writer.close()
         with self.lock:
             for pending in self.allocator.held():
                 self.allocator.cancel(pending.key)
@@ -563,7 +564,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Heartbeat our leases; claim and re-publish jobs whose worker died."""
         try:
             with self.lock:
-                self.writer.flush()  # queued takes first, or they would look lost
+                self.writer.flush(wait=True)  # queued takes first, or they would look lost
                 mine = {req.id: token for req, token in self.tokens.items()}
             lost = self.leases.refresh(mine)
             if lost:

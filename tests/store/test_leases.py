@@ -98,7 +98,7 @@ def _commands(client: redis.Redis, name: str) -> int:
     return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
 
 
-def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_transaction(
+def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_call(
     book: tuple[LeaseBook, Clock], redis_client: redis.Redis
 ) -> None:
     """DESIGN decision 4: the lease is written before the ack, and batched under a loop."""
@@ -109,7 +109,8 @@ def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_transaction(
     acks: list[tuple[str, bool]] = []
     old = leases.take(_record("done-1"))
     writer_old = {"done-1": old}
-    exec_before = _commands(redis_client, "exec")
+    leases.write_batch([], [])  # the script is loaded now, not inside the measured batch
+    calls_before = _commands(redis_client, "evalsha") + _commands(redis_client, "exec")
     tokens = {
         f"job-{i}": writer.take(_record(f"job-{i}"), lambda ok, i=i: acks.append((f"job-{i}", ok)))
         for i in range(3)
@@ -119,8 +120,10 @@ def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_transaction(
     assert leases.get("job-0") is None, "nothing is written before the loop turns"
     loop.turn()
     assert sorted(acks) == [("job-0", True), ("job-1", True), ("job-2", True)]
-    # One MULTI/EXEC for the batch; without Lua the release is a compare-and-set of its own.
-    assert _commands(redis_client, "exec") - exec_before == (1 if lua else 2)
+    # One Lua call for the batch; without Lua, one MULTI/EXEC for the takes and a
+    # compare-and-set for the release.
+    calls = _commands(redis_client, "evalsha") + _commands(redis_client, "exec")
+    assert calls - calls_before == (1 if lua else 2)
     for task_id, token in tokens.items():
         lease = leases.get(task_id)
         assert lease is not None and lease["token"] == token
@@ -157,12 +160,9 @@ def test_release_of_an_old_run_never_deletes_the_new_runs_queued_lease(
     assert lease is not None and lease["token"] == new
 
 
-def test_when_the_store_fails_the_writer_reports_the_take_unwritten(
-    redis_client: redis.Redis,
-) -> None:
-    leases = LeaseBook(OJSStore(redis_client, prefix="lt"), ttl_s=30)
+def test_when_the_store_fails_the_writer_reports_the_take_unwritten() -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    leases._r = dead  # the store goes away after start-up
+    leases = LeaseBook(OJSStore(dead, prefix="lt"), ttl_s=30)  # the store is unreachable
     loop = Loop()
     writer = LeaseWriter(leases, loop.defer)
     acks: list[bool] = []
@@ -202,3 +202,84 @@ def test_writer_on_fakeredis_without_lua_falls_back_by_itself() -> None:
     assert leases.get("f-1") is None
     lease = leases.get("f-2")
     assert lease is not None and lease["token"] == token
+
+
+class ReadingLoop(Loop):
+    """A loop that also watches readers, like the worker's kombu hub."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readers: dict[int, Any] = {}
+
+    def add_reader(self, fd: int, callback: Any) -> None:
+        self.readers[fd] = callback
+
+    def remove_reader(self, fd: int) -> None:
+        self.readers.pop(fd, None)
+
+    def poll(self, timeout: float = 5.0) -> None:
+        """Call the readers whose socket is readable (waits up to `timeout`)."""
+        import select
+
+        ready, _, _ = select.select(list(self.readers), [], [], timeout)
+        for fd in ready:
+            self.readers[fd]()
+
+
+def _async_writer(redis_client: redis.Redis) -> tuple[LeaseBook, ReadingLoop, LeaseWriter]:
+    leases = LeaseBook(OJSStore(redis_client, prefix="lt"), ttl_s=30)
+    loop = ReadingLoop()
+    return leases, loop, LeaseWriter(leases, loop.defer, loop)
+
+
+def test_the_event_loop_reads_the_batch_reply_instead_of_waiting_for_it(
+    redis_client: redis.Redis,
+) -> None:
+    leases, loop, writer = _async_writer(redis_client)
+    acks: list[bool] = []
+    token = writer.take(_record("async-1"), acks.append)
+    loop.turn()  # the flush sends the batch and returns at once
+    assert acks == [] and writer.pending() == 1 and len(loop.readers) == 1
+    loop.poll()  # the reply arrives; the loop's reader settles the batch
+    assert acks == [True] and writer.pending() == 0
+    lease = leases.get("async-1")
+    assert lease is not None and lease["token"] == token
+    writer.release("async-1", token)
+    writer.flush(wait=True)  # the heartbeat and stop wait for replies
+    assert leases.get("async-1") is None and writer.pending() == 0
+    writer.close()
+    assert loop.readers == {}
+
+
+def test_a_batch_whose_connection_breaks_is_written_again(redis_client: redis.Redis) -> None:
+    leases, loop, writer = _async_writer(redis_client)
+    acks: list[bool] = []
+    writer.take(_record("warm"), acks.append)
+    writer.flush(wait=True)
+    host, port = writer._conn._sock.getsockname()[:2]
+    killed = redis_client.client_kill(f"{host}:{port}")  # the writer's own connection
+    assert killed
+    token = writer.take(_record("after-kill"), acks.append)
+    writer.flush()  # sent on the dead connection (or refused at once)
+    loop.poll(timeout=1)
+    writer.flush(wait=True)
+    assert acks == [True, True], "the batch was written again"
+    lease = leases.get("after-kill")
+    assert lease is not None and lease["token"] == token
+    assert writer._conn is None or writer._conn._sock.getsockname()[1] != port
+    writer.close()
+
+
+def test_a_batch_the_server_cannot_run_is_written_again(redis_client: redis.Redis) -> None:
+    leases, loop, writer = _async_writer(redis_client)
+    acks: list[bool] = []
+    writer.take(_record("before"), acks.append)
+    writer.flush(wait=True)
+    redis_client.script_flush()  # as after a server restart: EVALSHA answers NOSCRIPT
+    token = writer.take(_record("noscript"), acks.append)
+    writer.flush()
+    loop.poll()
+    assert acks == [True, True]
+    lease = leases.get("noscript")
+    assert lease is not None and lease["token"] == token
+    writer.close()
