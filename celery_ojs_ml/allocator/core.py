@@ -162,17 +162,11 @@ class Allocator:
             self.cancel(pending.key)
         return out
 
-    def state_key(self) -> tuple[frozenset[Hashable], bool]:
+    def capacity_key(self) -> Hashable:
         """What `free_capacity`, `preemptible_capacity` and `held() != []` depend on.
 
         Equal keys mean equal answers, so callers may cache what they derive.
-        """
-        return frozenset(self._running), bool(self._held)
-
-    def capacity_key(self) -> Hashable:
-        """Like `state_key`, but equal for any two states with the same *shape*.
-
-        It names the running jobs by what capacity answers depend on (band,
+        It names the running jobs by what those answers depend on (band,
         preemptibility, counted demand, labels), not by identity, so a worker
         that keeps starting and finishing alike jobs sees only a few keys and a
         cache keyed on it (the subscription) stays hot.

@@ -42,11 +42,6 @@ from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
 _RETRIES = 16
-_TAKE = """
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
-return 1
-"""
 _RELEASE = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then
@@ -99,7 +94,6 @@ class LeaseBook:
         self._r = store.client
         self._index = store.key("leases")
         self._scripts: dict[str, Any] | None = {
-            "take": self._r.register_script(_TAKE),
             "release": self._r.register_script(_RELEASE),
             "batch": self._r.register_script(_BATCH),
         }
@@ -123,18 +117,20 @@ class LeaseBook:
     def _now(self) -> float:
         return float(self.store._clock())
 
-    def take(self, record: dict[str, Any]) -> str:
-        """Write (or overwrite) the lease of a job starting now; returns its token."""
+    def new_lease(self, record: dict[str, Any]) -> tuple[str, tuple[str, str, float]]:
+        """A fresh token and the `(task_id, json, deadline)` take of a job starting now.
+
+        Raises TypeError/ValueError when the record is not JSON.
+        """
         token = uuid.uuid4().hex
         deadline = self._now() + self.ttl_s
-        lease = {**record, "token": token, "deadline": deadline}
-        key, task_id = self._key(record["task_id"]), record["task_id"]
-        if self._script("take", [key, self._index], [json.dumps(lease), deadline, task_id]):
-            return token
-        with self._r.pipeline(transaction=True) as pipe:
-            pipe.set(self._key(record["task_id"]), json.dumps(lease))
-            pipe.zadd(self._index, {record["task_id"]: deadline})
-            pipe.execute()
+        payload = json.dumps({**record, "token": token, "deadline": deadline})
+        return token, (record["task_id"], payload, deadline)
+
+    def take(self, record: dict[str, Any]) -> str:
+        """Write (or overwrite) the lease of a job starting now; returns its token."""
+        token, lease = self.new_lease(record)
+        self.write_batch([lease], [])
         return token
 
     def get(self, task_id: str) -> dict[str, Any] | None:
@@ -348,10 +344,7 @@ class LeaseWriter:
         job finished before it had to be), False when the store failed. Raises
         TypeError/ValueError at once when the record is not JSON.
         """
-        token = uuid.uuid4().hex
-        deadline = self.book._now() + self.book.ttl_s
-        payload = json.dumps({**record, "token": token, "deadline": deadline})
-        task_id = record["task_id"]
+        token, (task_id, payload, deadline) = self.book.new_lease(record)
         if self._defer is None:
             written(self._write([(task_id, payload, deadline)], []))
             return token
