@@ -27,6 +27,7 @@ docs/performance.md describes the method and the figures on the reference VM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -75,6 +76,11 @@ class Variant:
     @property
     def task(self) -> str:
         return "bench.gpu_noop" if self.plugin else "bench.noop"
+
+    @property
+    def queue(self) -> str:
+        """Each variant's worker consumes its own logical queue, so all can run at once."""
+        return f"bench-{self.key}"
 
 
 PLAIN = Variant("plain", "plain Celery", plugin=False)
@@ -143,7 +149,7 @@ class Worker:
             sys.executable, "-m", "celery", "-A", "bench.dispatch_app:app", "worker",
             "-n", self.hostname, "-P", "prefork", "-c", str(variant.concurrency),
             "-l", "WARNING", "--without-mingle", "--without-gossip", "--without-heartbeat",
-            "-Q", "celery",
+            "-Q", variant.queue,
         ]  # fmt: skip
         if variant.capabilities:
             argv.append(f"--ojs-ml-capabilities={variant.capabilities}")
@@ -248,7 +254,7 @@ class Bench:
         """Publish one task; returns the seconds the publish call took."""
         task = self._apps[variant.plugin].tasks[variant.task]
         t0 = time.time()
-        task.apply_async(args=(run, seq, t0, sleep_s))
+        task.apply_async(args=(run, seq, t0, sleep_s), queue=variant.queue)
         return time.time() - t0
 
     def collect(self, run: str, n: int, worker: Worker, timeout: float = 120.0) -> list[Record]:
@@ -291,6 +297,7 @@ class Bench:
         last = max(r.end for r in records)
         calls = {k: (after.get(k, 0) - before.get(k, 0)) / n for k in after}
         return {
+            "tasks": n,
             "tasks_per_s": n / (last - first),
             "publish_us": statistics.median(publish_s) * 1e6,
             "child_pids": len({r.pid for r in records}),
@@ -298,36 +305,48 @@ class Bench:
             "redis_calls_per_task": {k: round(v, 3) for k, v in sorted(calls.items()) if v},
         }
 
-    def latency(self, variant: Variant, worker: Worker, m: int, gap_s: float) -> dict[str, Any]:
-        """One task at a time: publish, wait for it to record itself, pause `gap_s`.
+    def latency(
+        self, workers: dict[str, Worker], counts: dict[str, int], gap_s: float
+    ) -> dict[str, dict[str, Any]]:
+        """One task at a time, alternating between the variants; pause `gap_s` after each.
 
-        Latency is body start - publish call start; it splits into the publish
-        call (routing included) and what follows it (broker, worker, gate, pool).
+        Variant `k` gets `counts[k]` samples; consecutive samples of different
+        variants are a few milliseconds apart, so a slow spell of the VM hits
+        all of them alike. Latency is body start - publish call start; it
+        splits into the publish call (routing included) and what follows it
+        (broker, worker, gate, pool).
         """
-        run = self.run_id(f"lat-{variant.key}")
+        runs = {key: self.run_id(f"lat-{key}") for key in workers}
         self.results.delete(RESULTS_KEY)
-        lat_ms: list[float] = []
-        publish_ms: list[float] = []
-        for i in range(m):
-            publish_ms.append(self.publish(variant, run, i) * 1000)
-            try:
-                popped = self.results.blpop([RESULTS_KEY], timeout=30)
-            except redis.TimeoutError:
-                popped = None
-            if popped is None:
-                raise RuntimeError(f"{run}: task {i} never ran:\n{worker.tail()}")
-            parsed = _parse(popped[1])
-            if parsed is None or parsed[0] != run:
-                raise RuntimeError(f"{run}: unexpected record {popped[1]!r}")
-            rec = parsed[1]
-            lat_ms.append((rec.start - rec.published) * 1000)
-            time.sleep(gap_s)
-        return {
-            "latency_ms": lat_ms,
-            "publish_ms": publish_ms,
-            "after_publish_ms": [a - b for a, b in zip(lat_ms, publish_ms, strict=True)],
-            "publish_us": statistics.median(publish_ms) * 1000,
+        out: dict[str, dict[str, Any]] = {
+            key: {"latency_ms": [], "publish_ms": [], "after_publish_ms": []} for key in workers
         }
+        for i in range(max(counts.values())):
+            for key, worker in workers.items():
+                if i >= counts[key]:
+                    continue
+                published_s = self.publish(worker.variant, runs[key], i)
+                rec = self._wait_one(runs[key], i, worker)
+                lat = (rec.start - rec.published) * 1000
+                out[key]["latency_ms"].append(lat)
+                out[key]["publish_ms"].append(published_s * 1000)
+                out[key]["after_publish_ms"].append(lat - published_s * 1000)
+                time.sleep(gap_s)
+        for result in out.values():
+            result["publish_us"] = statistics.median(result["publish_ms"]) * 1000
+        return out
+
+    def _wait_one(self, run: str, seq: int, worker: Worker) -> Record:
+        try:
+            popped = self.results.blpop([RESULTS_KEY], timeout=30)
+        except redis.TimeoutError:
+            popped = None
+        if popped is None:
+            raise RuntimeError(f"{run}: task {seq} never ran:\n{worker.tail()}")
+        parsed = _parse(popped[1])
+        if parsed is None or parsed[0] != run:
+            raise RuntimeError(f"{run}: unexpected record {popped[1]!r}")
+        return parsed[1]
 
     def wakeup(self, variant: Variant, worker: Worker, k: int, sleep_s: float) -> dict[str, Any]:
         """A burst of `k` tasks on a 1-GPU worker; wake-up = start(k+1) - end(k)."""
@@ -384,25 +403,42 @@ def run_bench(args: argparse.Namespace, broker: str, logdir: Path) -> dict[str, 
         p: {v.key: [] for v in variants} for p in PACINGS
     }
     for rnd in range(args.rounds):
+        t0 = time.monotonic()
         order = variants[rnd % 3 :] + variants[: rnd % 3]
-        for variant in order:
-            t0 = time.monotonic()
-            # a fresh child per task is slow: fewer tasks keep the bench short
-            n = args.recycled_tasks if variant is RETIRE else args.tasks
-            with bench.worker(variant, f"r{rnd}") as worker:
-                tput[variant.key].append(bench.throughput(variant, worker, n))
-                for pacing in PACINGS:
-                    m = min(counts[pacing], n)
-                    lat[pacing][variant.key].append(bench.latency(variant, worker, m, gaps[pacing]))
-            progress(
-                f"round {rnd + 1}/{args.rounds} {variant.key:6s}: "
-                f"{tput[variant.key][-1]['tasks_per_s']:7.1f} tasks/s, latency p50 "
-                + ", ".join(
-                    f"{p} {statistics.median(lat[p][variant.key][-1]['latency_ms']):6.2f} ms"
-                    for p in PACINGS
-                )
-                + f" ({time.monotonic() - t0:4.1f} s)"
+        with contextlib.ExitStack() as stack:
+            # Every variant's worker runs for the whole round (each on its own queue; an
+            # idle worker only waits in BRPOP), and the phases alternate between them
+            # in short segments, so a slow spell of the VM hits every variant alike.
+            workers = {v.key: stack.enter_context(bench.worker(v, f"r{rnd}")) for v in order}
+            segments: dict[str, list[dict[str, Any]]] = {v.key: [] for v in order}
+            for seg in range(args.segments):
+                for variant in order[seg % 3 :] + order[: seg % 3]:
+                    # a fresh child per task is slow: fewer tasks keep the bench short
+                    if variant is RETIRE:
+                        if seg == 0:
+                            segments[variant.key].append(
+                                bench.throughput(variant, workers[variant.key], args.recycled_tasks)
+                            )
+                        continue
+                    n = max(1, args.tasks // args.segments)
+                    segments[variant.key].append(bench.throughput(variant, workers[variant.key], n))
+            for key, parts in segments.items():
+                tput[key].append(combine(parts))
+            for pacing in PACINGS:
+                want = {
+                    v.key: min(counts[pacing], args.recycled_tasks if v is RETIRE else args.tasks)
+                    for v in order
+                }
+                for key, run in bench.latency(workers, want, gaps[pacing]).items():
+                    lat[pacing][key].append(run)
+        progress(
+            f"round {rnd + 1}/{args.rounds} ({time.monotonic() - t0:4.1f} s): "
+            + "; ".join(
+                f"{v.key} {tput[v.key][-1]['tasks_per_s']:6.1f} tasks/s, hot p50 "
+                f"{statistics.median(lat['hot'][v.key][-1]['latency_ms']):5.2f} ms"
+                for v in variants
             )
+        )
     wake: dict[str, dict[str, Any]] = {}
     for variant, k, sleep_ms in wake_runs(args):
         with bench.worker(variant, "w") as worker:
@@ -421,6 +457,24 @@ def wake_runs(args: argparse.Namespace) -> list[tuple[Variant, int, float]]:
         (WAKE_NR, args.burst, args.sleep_ms),
         (WAKE_PLAIN, args.burst, args.sleep_ms),
     ]
+
+
+def combine(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round's throughput from its segments: all tasks over all segment time."""
+    tasks = sum(p["tasks"] for p in parts)
+    calls: dict[str, float] = {}
+    for p in parts:
+        for cmd, n in p["redis_calls_per_task"].items():
+            calls[cmd] = calls.get(cmd, 0.0) + n * p["tasks"] / tasks
+    return {
+        "tasks": tasks,
+        "tasks_per_s": tasks / sum(p["tasks"] / p["tasks_per_s"] for p in parts),
+        "tasks_per_s_segments": [p["tasks_per_s"] for p in parts],
+        "publish_us": statistics.median(p["publish_us"] for p in parts),
+        "child_pids": max(p["child_pids"] for p in parts),
+        "main_cpu_ms_per_task": sum(p["main_cpu_ms_per_task"] * p["tasks"] for p in parts) / tasks,
+        "redis_calls_per_task": {k: round(v, 3) for k, v in sorted(calls.items())},
+    }
 
 
 def latency_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -617,6 +671,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--redis-url", help="use this Redis instead of a private redis-server")
     add("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     add("--tasks", type=int, default=400, help="throughput tasks per round (default 400)")
+    add(
+        "--segments",
+        type=int,
+        default=4,
+        help="throughput segments per round, alternating between the variants (default 4)",
+    )
     add(
         "--recycled-tasks",
         type=int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery_ojs_ml.allocator.devices import pick_devices
@@ -46,6 +46,21 @@ _ASSESSED_MAX = 1024
 class _Job:
     alloc: Allocation
     labels: Mapping[str, str]
+    shape: tuple[Any, ...] = field(init=False)
+    """What `Allocator.capacity_key` knows of this job (computed once, at commit)."""
+
+    def __post_init__(self) -> None:
+        a = self.alloc
+        shape = (
+            a.band,
+            a.preemptible,
+            len(a.devices),
+            a.cpu_cores,
+            a.memory_gb,
+            a.tpu_chips,
+            tuple(sorted(self.labels.items())),
+        )
+        object.__setattr__(self, "shape", shape)  # frozen: set once, here
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +93,7 @@ class Allocator:
         self._shape: tuple[Any, ...] | None = None
         self._free_now: Demand | None = None
         self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, _Assessment]] = {}
+        self._free_by_shape: dict[Hashable, Demand] = {}
         """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
 
     def try_alloc(
@@ -171,23 +187,13 @@ class Allocator:
         that keeps starting and finishing alike jobs sees only a few keys and a
         cache keyed on it (the subscription) stays hot.
         """
+        return self._shape_now(), bool(self._held)
+
+    def _shape_now(self) -> tuple[Any, ...]:
+        """The running jobs' part of `capacity_key` (a sorted tuple), cached until they change."""
         if self._shape is None:
-            self._shape = tuple(
-                sorted(
-                    (
-                        a.band,
-                        a.preemptible,
-                        len(a.devices),
-                        a.cpu_cores,
-                        a.memory_gb,
-                        a.tpu_chips,
-                        tuple(sorted(j.labels.items())),
-                    )
-                    for j in self._running.values()
-                    for a in (j.alloc,)
-                )
-            )
-        return self._shape, bool(self._held)
+            self._shape = tuple(sorted(j.shape for j in self._running.values()))
+        return self._shape
 
     def free_capacity(self) -> FreeCapacity:
         """What is free now, for matching and the subscription."""
@@ -246,14 +252,27 @@ class Allocator:
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
 
     def _free(self, released: Collection[Allocation]) -> Demand:
-        if not released and self._free_now is not None:
+        """Free counted resources once `released` are gone (recomputed, so no float drift).
+
+        With nothing released, the answer is a function of the capacity shape
+        (`capacity_key` names each running job's counted demand), so it is
+        remembered per shape: a worker cycling through alike jobs sums only once.
+        """
+        if not released:
+            if self._free_now is None:
+                shape = self._shape_now()
+                free = self._free_by_shape.get(shape)
+                if free is None:
+                    if len(self._free_by_shape) >= _ASSESSED_MAX:
+                        self._free_by_shape.clear()
+                    free = self._free_by_shape[shape] = self._total.minus(
+                        Demand.total(j.alloc.demand for j in self._running.values())
+                    )
+                self._free_now = free
             return self._free_now
         gone = {a.key for a in released}
         used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
-        free = self._total.minus(used)
-        if not released:
-            self._free_now = free
-        return free
+        return self._total.minus(used)
 
     def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
         free, gone = self._free(released), {a.key for a in released}

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from celery import Celery
+from kombu.entity import Queue
 
 from celery_ojs_ml import OJSML
 
@@ -37,6 +38,19 @@ WORK_S = {
     "ml.inference": 0.6,
 }
 """How long each kind of job pretends to work, in seconds."""
+QUEUES = (
+    "celery",
+    "cpu-inference",
+    "cpu-workers",
+    "deployment",
+    "gpu-inference",
+    "gpu-spot",
+    "gpu-training",
+    "tpu-training",
+)
+"""Every logical queue the example jobs name. They are the app's `task_queues`, so a demo
+worker started without `-Q` consumes them all (the plugin takes ML jobs of a worker's own
+queues only, as plain Celery does)."""
 
 
 def make_app(broker: str, **conf: Any) -> Celery:
@@ -53,6 +67,7 @@ def make_app(broker: str, **conf: Any) -> Celery:
         result_expires=3600,
         ojs_ml_subscription_poll_s=0.2,
         ojs_ml_heartbeat_s=0.5,
+        task_queues=[Queue(name) for name in QUEUES],  # type: ignore[no-untyped-call]
     )
     app.conf.update(conf)
     OJSML(app)

@@ -29,8 +29,10 @@ Key decisions:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -117,12 +119,14 @@ class LeaseBook:
     def _now(self) -> float:
         return float(self.store._clock())
 
-    def new_lease(self, record: dict[str, Any]) -> tuple[str, tuple[str, str, float]]:
-        """A fresh token and the `(task_id, json, deadline)` take of a job starting now.
+    def new_lease(
+        self, record: dict[str, Any], token: str | None = None
+    ) -> tuple[str, tuple[str, str, float]]:
+        """The token (fresh unless given) and `(task_id, json, deadline)` take of a job.
 
         Raises TypeError/ValueError when the record is not JSON.
         """
-        token = uuid.uuid4().hex
+        token = token or uuid.uuid4().hex
         deadline = self._now() + self.ttl_s
         payload = json.dumps({**record, "token": token, "deadline": deadline})
         return token, (record["task_id"], payload, deadline)
@@ -310,45 +314,65 @@ class LeaseBook:
 Batch = tuple[list[tuple[str, str, float]], list[tuple[str, str]], list[Callable[[bool], None]]]
 """Takes `(task_id, json, deadline)`, releases `(task_id, token)` and the takes' callbacks."""
 
+Record = dict[str, Any] | Callable[[], dict[str, Any]]
+"""A lease record, or a function that builds it (called only if the lease is written)."""
+
+IDLE_DELAY_S = 0.002
+"""Delay of a lease write on a worker that wrote nothing in the last `BUSY_WINDOW_S`."""
+BUSY_DELAY_S = 0.020
+"""Default delay of a lease write on a busy worker (`ojs_ml_lease_write_delay_ms`): one
+batch per 20 ms, and no write at all for jobs that end within it."""
+BUSY_WINDOW_S = 0.050
+
 
 class LeaseWriter:
     """The hot-path lease writes of one worker: batched under an event loop (module doc).
 
-    `defer(fn)` schedules `fn` for later on the worker's event loop; without it
-    every write is made at once. With `loop` (the worker's kombu hub) a batch
-    is sent on a connection of its own and its reply is read when the loop
-    sees it arrive, so the event loop never sits waiting for the store. Not
-    thread-safe when deferring: under prefork every call comes from the loop.
+    `defer(fn, delay_s)` schedules `fn` on the worker's event loop `delay_s`
+    from now; without it every write is made at once. The delay is
+    `IDLE_DELAY_S` on a worker that has written nothing for `BUSY_WINDOW_S`
+    and `busy_delay_s` on a busy one (the smaller of the two on an idle one).
+    With `loop` (the worker's kombu hub) a batch is sent on a connection of
+    its own, packed here, and its reply is read when the loop sees it arrive,
+    so the event loop never sits waiting for the store. Not thread-safe when
+    deferring: under prefork every call comes from the loop.
     """
 
     def __init__(
         self,
         book: LeaseBook,
-        defer: Callable[[Callable[[], None]], Any] | None = None,
+        defer: Callable[[Callable[[], None], float], Any] | None = None,
         loop: Any = None,
+        busy_delay_s: float = BUSY_DELAY_S,
     ) -> None:
         self.book = book
         self._defer = defer
+        self._delays = (min(IDLE_DELAY_S, busy_delay_s), busy_delay_s)
         self._loop = loop if defer is not None else None
-        self._takes: dict[str, tuple[str, str, float, Callable[[bool], None]]] = {}
+        self._takes: dict[str, tuple[str, Record, Callable[[bool], None]]] = {}
         self._releases: list[tuple[str, str]] = []
         self._scheduled = False
+        self._last_flush = -1.0
         self._conn: Any = None
         self._fd: int | None = None
         self._inflight: deque[Batch] = deque()
+        self._tokens = map(f"{uuid.uuid4().hex}-{{}}".format, itertools.count())
 
-    def take(self, record: dict[str, Any], written: Callable[[bool], None]) -> str:
+    def take(self, task_id: str, record: Record, written: Callable[[bool], None]) -> str:
         """Queue the lease of a job starting now; returns its token.
 
         `written(ok)` is called once: True when the lease is written (or the
-        job finished before it had to be), False when the store failed. Raises
-        TypeError/ValueError at once when the record is not JSON.
+        job finished before it had to be), False when the store failed or the
+        record is not JSON (its broker message then keeps holding the job).
+        A `record` function runs when the batch is sent, so a job that ends
+        before then costs no record at all.
         """
-        token, (task_id, payload, deadline) = self.book.new_lease(record)
+        token: str = next(self._tokens)
         if self._defer is None:
-            written(self._write([(task_id, payload, deadline)], []))
+            built = self._build(task_id, token, record)
+            written(built is not None and self._write([built], []))
             return token
-        self._takes[token] = (task_id, payload, deadline, written)
+        self._takes[token] = (task_id, record, written)
         self._schedule()
         return token
 
@@ -356,7 +380,7 @@ class LeaseWriter:
         """Queue the release of a finished job's lease (token-checked)."""
         queued = self._takes.pop(token, None)
         if queued is not None:  # finished before its lease was written: nothing to write
-            queued[3](True)
+            queued[2](True)
             return
         if self._defer is None:
             self._write([], [(task_id, token)])
@@ -378,20 +402,40 @@ class LeaseWriter:
         takes, self._takes = self._takes, {}
         releases, self._releases = self._releases, []
         if takes or releases:
-            batch: Batch = (
-                [(t, p, d) for t, p, d, _ in takes.values()],
-                releases,
-                [written for *_, written in takes.values()],
-            )
-            if not self._send(batch):
+            self._last_flush = time.monotonic()
+            leases: list[tuple[str, str, float]] = []
+            callbacks: list[Callable[[bool], None]] = []
+            for token, (task_id, record, written) in takes.items():
+                built = self._build(task_id, token, record)
+                if built is None:
+                    written(False)
+                    continue
+                leases.append(built)
+                callbacks.append(written)
+            batch: Batch = (leases, releases, callbacks)
+            if (leases or releases) and not self._send(batch):
                 self._finish(batch, self._write(batch[0], batch[1]))
         if wait:
             self._drain()
 
+    def _build(self, task_id: str, token: str, record: Record) -> tuple[str, str, float] | None:
+        """The `(task_id, json, deadline)` take; None (logged) when the record is not JSON."""
+        try:
+            return self.book.new_lease(record() if callable(record) else record, token)[1]
+        except (TypeError, ValueError) as exc:
+            log.warning(
+                "ojs-ml: no lease for %s: its record is not JSON (%s); its broker message "
+                "holds it until it ends",
+                task_id,
+                exc,
+            )
+            return None
+
     def _schedule(self) -> None:
         if not self._scheduled and self._defer is not None:
             self._scheduled = True
-            self._defer(self.flush)
+            busy = time.monotonic() - self._last_flush < BUSY_WINDOW_S
+            self._defer(self.flush, self._delays[busy])
 
     def _write(self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]) -> bool:
         try:
@@ -419,7 +463,8 @@ class LeaseWriter:
             return False
         keys, args = self.book.batch_arguments(batch[0], batch[1])
         try:
-            conn.send_command("EVALSHA", self.book.batch_sha, len(keys), *keys, *args)
+            packed = pack_command("EVALSHA", self.book.batch_sha, len(keys), *keys, *args)
+            conn.send_packed_command([packed])  # a list: redis-py iterates it
         except Exception as exc:
             self._lost(exc)
             return False
@@ -494,6 +539,24 @@ class LeaseWriter:
         self._fd = None
         if conn is not None:
             conn.disconnect()
+
+
+def pack_command(*args: str | bytes | int | float | None) -> bytes:
+    """One Redis command in RESP, as redis-py would send it (UTF-8, numbers by `repr`).
+
+    The lease batch is the one command the worker sends per few jobs; packing
+    it here costs a fraction of redis-py's general packer.
+    """
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        else:
+            data = repr(arg).encode()
+        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(out)
 
 
 def republish_headers(

@@ -49,8 +49,8 @@ class OJSML:
         self._settings: OJSMLSettings | None = None
         self._store: OJSStore | None = None
         self._registered: set[tuple[str, str]] = set()
-        self._live: tuple[float, list[Capabilities]] = (0.0, [])
-        self._eligible: dict[str, tuple[float, str | None]] = {}
+        self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
+        self._eligible: dict[tuple[str, str], tuple[float, str | None]] = {}
         if isinstance(existing, OJSML):
             return
         app.ojs_ml = self
@@ -108,34 +108,48 @@ class OJSML:
         self.store.register_class(cid, constraints, logical_queue=logical)
         self._registered.add((cid, logical))
 
-    def live_workers(self) -> list[Capabilities]:
-        """Parsed capabilities of the live workers, cached for a second on the publish path."""
+    def live_workers(self) -> list[tuple[Capabilities, frozenset[str] | None]]:
+        """(capabilities, consumed queues) of the live workers, cached for a second.
+
+        The queues are None for a worker that does not advertise them.
+        """
         stamp, cached = self._live
         now = time.monotonic()
         if now - stamp > _LIVE_CACHE_S:
-            cached = [
-                parse_capabilities(w["capabilities"]) for w in self.store.live_workers().values()
-            ]
+            cached = []
+            for w in self.store.live_workers().values():
+                queues = (w.get("info") or {}).get("queues")
+                consumed = None if queues is None else frozenset(queues)
+                cached.append((parse_capabilities(w["capabilities"]), consumed))
             self._live = (now, cached)
         return cached
 
     def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
         """The pending reason when no live worker could ever run the job, else None.
 
-        Eligibility depends only on the class (its hard constraints) and the
-        live workers, so it is computed once per class per live-worker refresh.
+        A worker counts if it consumes the job's logical queue and its
+        capabilities satisfy the class. Eligibility depends only on the class,
+        the logical queue and the live workers, so it is computed once per
+        (class, queue) per live-worker refresh.
         """
         live = self.live_workers()
         stamp = self._live[0]
-        known = self._eligible.get(cid)
+        known = self._eligible.get((cid, logical))
         if known is not None and known[0] == stamp:
             reason = known[1]
         else:
-            results = [match(req, caps) for caps in live]
-            reason = None if any(r.eligible for r in results) else pending_message(results)
+            serving = [caps for caps, queues in live if queues is None or logical in queues]
+            if live and not serving:
+                reason = (
+                    f"0/{len(live)} live workers consume queue {logical!r}; start one with "
+                    f"`celery worker -Q {logical}`"
+                )
+            else:
+                results = [match(req, caps) for caps in serving]
+                reason = None if any(r.eligible for r in results) else pending_message(results)
             if len(self._eligible) >= 4096:
                 self._eligible.clear()
-            self._eligible[cid] = (stamp, reason)
+            self._eligible[(cid, logical)] = (stamp, reason)
         if reason is None:
             return None
         if self.settings.deny_unsatisfiable:

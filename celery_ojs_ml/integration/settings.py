@@ -44,6 +44,8 @@ class OJSMLSettings(BaseModel):
     """Refuse to start a GPU worker whose pool cannot pin devices (anything but prefork)."""
     lease_ttl_s: float = Field(default=30.0, gt=0)
     """A running ML job's lease expires this long after its worker's last heartbeat."""
+    lease_write_delay_ms: float = Field(default=20.0, ge=0, le=1000)
+    """On a busy worker, how long a new lease waits to share one batched write (idle: 2 ms)."""
     max_crashes: int = Field(default=3, ge=0)
     """Re-publish a job whose worker died at most this often, then dead-letter it."""
     max_preemptions: int | None = Field(default=None, ge=0)

@@ -49,8 +49,6 @@ GATES: dict[str, MLWorker] = {}
 _REQ_CACHE: dict[str, MLRequirements] = {}
 _CAPS_CACHE: dict[str | None, Capabilities] = {}
 _WANTED_CACHE = 256
-_FLUSH_DELAY_S = 0.002
-"""How long lease writes wait to share a round trip (module `leases`, `LeaseWriter`)."""
 """Subscription sets cached per (registry version, capacity shape) before the cache resets."""
 
 
@@ -179,10 +177,14 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.hold_until: dict[Any, float] = {}
         self._wanted: dict[Any, frozenset[str]] = {}
         self._declared: set[str] = set()
+        self._bound: dict[str, Any] = {}
+        self._pump_due = False
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
         self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
         self.version = -1
+        self.logical: frozenset[str] = frozenset()
+        """The worker's own (non-ML) queues: it takes ML jobs of these logical queues only."""
         self.lock = threading.RLock()
         self.incarnation = uuid.uuid4().hex
         self.tokens: dict[Any, str] = {}
@@ -211,11 +213,17 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         s = self.settings
         self.store = self.app.ojs_ml.store
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
-        self.writer = LeaseWriter(self.leases, self._deferrer(c), getattr(c, "hub", None))
+        self.writer = LeaseWriter(
+            self.leases,
+            self._deferrer(c),
+            getattr(c, "hub", None),
+            busy_delay_s=s.lease_write_delay_ms / 1000,
+        )
         self.recover_own()
         with self.lock:
-            self.version, self._wanted, self._declared = -1, {}, set()
+            self.version, self._wanted, self._declared, self._bound = -1, {}, set(), {}
             self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
+            self.logical = self._own_queues()
             self.refresh()
         self.advertise()
         self._timers = [
@@ -233,19 +241,21 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     @staticmethod
     def _deferrer(c: Any) -> Any:
-        """Run a lease flush about a millisecond from now on the event loop; None without one.
+        """Run a lease flush `delay_s` from now on the event loop; None without one.
 
         The loop hands a dispatched job to its pool child on the poll that
-        follows the dispatch, so a flush due a millisecond later usually runs
+        follows the dispatch, so a flush due a few milliseconds later runs
         after that hand-off: the lease round trip stays off the task's start,
-        and every take and release of that millisecond share one round trip.
+        and every take and release in between share one round trip
+        (`leases.LeaseWriter` picks 2 ms on an idle worker, `ojs_ml_lease_write_delay_ms`
+        on a busy one).
         A timer (not `call_soon` twice) bounds the delay: the loop may sleep
         in its poll for up to a second before it runs a second `call_soon`.
         """
         hub = getattr(c, "hub", None)
         if hub is None:
             return None
-        return lambda fn: hub.call_later(_FLUSH_DELAY_S, fn)
+        return lambda fn, delay_s: hub.call_later(delay_s, fn)
 
     def stop(self, c: Any) -> None:
         for timer in self._timers:
@@ -309,7 +319,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 capabilities_to_dict(self.caps),
                 snap,
                 ttl_s=ttl,
-                info={"pid": os.getpid(), "pinning": self.prefork},
+                info={"pid": os.getpid(), "pinning": self.prefork, "queues": sorted(self.logical)},
             )
             self.store.set_held(self.hostname, held, ttl_s=ttl)
         except Exception as exc:  # a store outage must not stop the worker
@@ -331,23 +341,42 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     self.classes, self.version = classes, version
         except Exception as exc:
             log.warning("ojs-ml: could not read the class registry: %s", exc)
+        with self.lock:
+            own = self._own_queues()
+            if own != self.logical:  # `celery control add_consumer/cancel_consumer`
+                self.logical, self._wanted = own, {}
         self.resubscribe()
 
+    def _own_queues(self) -> frozenset[str]:
+        """The queues this consumer reads besides class queues (`-Q`, `add_consumer`).
+
+        Like plain Celery, a worker runs only the jobs of the queues it was
+        told to consume: an ML job of logical queue `train` goes to
+        `train.ml.<class>.<band>`, which only workers consuming `train` read.
+        """
+        tc = self.c.task_consumer
+        if tc is None:
+            return self.logical
+        return frozenset(q.name for q in tc.queues if ".ml." not in q.name)
+
     def wanted_queues(self) -> set[str]:
-        """Every (class, band) queue this worker can ever run and that fits free capacity.
+        """Class queues of its own logical queues that this worker can run and that fit now.
 
         Cached on the class registry version and the shape of the allocator's
         state (`Allocator.capacity_key`): on the hot path (dispatch, then
         release) it is asked twice per job, and a worker running alike jobs
         cycles through a handful of shapes, so matching runs only on a miss.
         """
+        return set(self._wanted_now())
+
+    def _wanted_now(self) -> frozenset[str]:
         key = (self.version, self.allocator.capacity_key())
         wanted = self._wanted.get(key)
         if wanted is None:
             if len(self._wanted) >= _WANTED_CACHE:
                 self._wanted.clear()
             wanted = self._wanted[key] = frozenset(self._compute_wanted())
-        return set(wanted)
+        return wanted
 
     def _compute_wanted(self) -> set[str]:
         free = self.allocator.free_capacity()
@@ -362,7 +391,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     b not in room or match(req, self.caps, room[b]).verdict is not Verdict.FITS
                 ):
                     continue  # a higher band also comes when preempting lower bands makes room
-                wanted.update(queue_name(logical, cid, b) for logical in queues)
+                wanted.update(
+                    queue_name(logical, cid, b) for logical in queues if logical in self.logical
+                )
         return wanted
 
     def resubscribe(self) -> None:
@@ -371,20 +402,37 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             tc = self.c.task_consumer
             if tc is None:
                 return
-            wanted = self.wanted_queues()
+            wanted = self._wanted_now()
+            if wanted == self.subscribed:
+                return
             for name in sorted(self.subscribed - wanted):
                 tc.cancel_by_queue(name)
             added = sorted(wanted - self.subscribed)
             for name in added:
-                # Declared once per connection (start() runs again after a reconnect):
-                # re-declaring costs broker round trips on every release otherwise.
-                tc.add_queue(ml_queue(name, declare=name not in self._declared))
-                self._declared.add(name)
+                self._add_queue(tc, name)
             if added:
                 tc.consume()
-            self.subscribed = wanted
+            self.subscribed = set(wanted)
         if added:
             wake_consumer(tc)
+
+    def _add_queue(self, tc: Any, name: str) -> None:
+        """Put the queue `name` back on the consumer `tc` (it starts on `tc.consume()`).
+
+        A worker running alike jobs drops and re-adds the same queue whenever
+        its free capacity crosses the class's need, up to twice per job. Each
+        queue is declared once per connection (`start` runs again after a
+        reconnect) and bound once per channel: the bound `Queue` is kept and
+        put back as it is, instead of building and binding a new one (kombu's
+        `add_queue` copies the queue and its exchange every time).
+        """
+        queues = getattr(tc, "_queues", None)
+        bound = self._bound.get(name)
+        if bound is not None and bound.channel is tc.channel and isinstance(queues, dict):
+            queues[name] = bound
+            return
+        self._bound[name] = tc.add_queue(ml_queue(name, declare=name not in self._declared))
+        self._declared.add(name)
 
     # -- the gate -------------------------------------------------------------------------------
 
@@ -471,13 +519,16 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         log.debug("ojs-ml: released %s", req.id)
         hub = getattr(self.c, "hub", None)
         if hub is not None and threading.current_thread() is threading.main_thread():
-            hub.call_soon(self.pump)
+            if not self._pump_due:  # one pump serves every release of this loop turn
+                self._pump_due = True
+                hub.call_soon(self.pump)
         else:
             self.pump()
 
     def pump(self) -> None:
         """Start held jobs that fit now, in band, priority and FIFO order."""
         with self.lock:
+            self._pump_due = False
             for alloc in self.allocator.pump():
                 req: Any = alloc.key
                 self.hold_until.pop(req, None)
@@ -513,7 +564,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     # -- leases (DESIGN decision 4) -------------------------------------------------------------
 
-    def _job_record(self, req: Any, alloc: Allocation) -> dict[str, Any]:
+    def _job_record(self, req: Any, alloc: Allocation, started_at: float) -> dict[str, Any]:
         headers = req.request_dict
         return {
             "task_id": req.id,
@@ -525,7 +576,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             "worker": self.hostname,
             "incarnation": self.incarnation,
             "devices": list(alloc.devices),
-            "started_at": self.store._clock(),
+            "started_at": started_at,
         }
 
     def _take_lease(self, req: Any, alloc: Allocation) -> None:
@@ -533,16 +584,18 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
         The write may be batched (`LeaseWriter`), so Celery's own ack (at accept)
         is suppressed here and `_lease_written` acks once the lease exists. If
-        the lease cannot be written, the message stays unacked until the job
-        ends, so the broker still holds the job.
+        the lease cannot be written (store down, arguments not JSON), the
+        message stays unacked until the job ends, so the broker still holds
+        the job. The record is built only when the batch goes out: a job that
+        ends before then needs no lease.
         """
-        record = self._job_record(req, alloc)
+        started_at = self.store._clock()
         req.acknowledged = True  # Celery must not ack before the lease is written
-        try:
-            self.tokens[req] = self.writer.take(record, lambda ok: self._lease_written(req, ok))
-        except (TypeError, ValueError) as exc:
-            req.acknowledged = False
-            log.warning("ojs-ml: %s keeps its broker message (arguments not JSON: %s)", req.id, exc)
+        self.tokens[req] = self.writer.take(
+            req.id,
+            lambda: self._job_record(req, alloc, started_at),
+            lambda ok: self._lease_written(req, ok),
+        )
 
     def _lease_written(self, req: Any, ok: bool) -> None:
         """The lease of `req` exists (or it ended first): ack; else the message holds it."""

@@ -114,3 +114,19 @@ def test_an_unreachable_redis_exits_2_and_names_it() -> None:
     assert result.stderr.strip() == (
         f"demo: cannot reach Redis at {url}; start it or pass another --broker"
     )
+
+
+def test_demo_workers_consume_every_queue_the_example_jobs_name() -> None:
+    """A worker takes ML jobs of its own queues only; the demo app's `task_queues` list them."""
+    from celery_ojs_ml.demo.app import QUEUES, make_app
+    from celery_ojs_ml.demo.session import prepare
+
+    named = {
+        str(job.get("queue"))
+        for sub in prepare()
+        for job in (sub.doc.get("jobs") or sub.doc.get("steps") or [sub.doc])
+        if isinstance(job, dict) and job.get("queue")
+    }
+    assert len(named) >= 3 and named <= set(QUEUES), (named, set(QUEUES))
+    app = make_app("memory://")
+    assert {q.name for q in app.conf.task_queues} == set(QUEUES)

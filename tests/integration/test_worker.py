@@ -287,3 +287,31 @@ def test_deny_unsatisfiable_raises_at_publish_and_publishes_nothing(
     assert after == before
     assert ojs_store.pending() == {}
     app.close()
+
+
+def test_a_worker_takes_ml_jobs_of_its_own_logical_queues_only(
+    app: Celery, redis_url: str, redis_client: redis.Redis, ojs_store: OJSStore, tmp_path: Path
+) -> None:
+    """Decision 1: the logical queue is plain Celery's; `-Q train` never runs `infer` jobs."""
+    train = WorkerProcess("train", redis_url, "profile:nvidia-a100x2", tmp_path, queue="train")
+    infer = WorkerProcess("infer", redis_url, "profile:nvidia-a100x2", tmp_path, queue="infer")
+    with running([train, infer], ojs_store):
+        for i in range(8):
+            queue = "train" if i % 2 == 0 else "infer"
+            app.tasks["ml.record"].apply_async(args=[f"{queue}-{i}", 0.05], queue=queue)
+        records = _results(redis_client, 8)
+        orphan = app.tasks["ml.record"].apply_async(args=["orphan"], queue="nobody")
+        stats = {
+            w: s["ojs_ml"]["queues"] for w, s in app.control.inspect(timeout=3).stats().items()
+        }
+    ran = {r["tag"]: r["worker"] for r in records}
+    assert ran == {
+        f"{'train' if i % 2 == 0 else 'infer'}-{i}": ("train@test" if i % 2 == 0 else "infer@test")
+        for i in range(8)
+    }
+    assert all(q.startswith("train.ml.") for q in stats.get("train@test", [])), stats
+    assert all(q.startswith("infer.ml.") for q in stats.get("infer@test", [])), stats
+    # Nobody consumes `nobody`: the job waits, and its pending record says why (§7.2).
+    reason = ojs_store.pending()[orphan.id]["reason"]
+    assert "0/2 live workers consume queue 'nobody'" in reason and "-Q nobody" in reason
+    assert "orphan" not in ran

@@ -83,9 +83,11 @@ class Loop:
 
     def __init__(self) -> None:
         self.queued: list[Any] = []
+        self.delays: list[float] = []
 
-    def defer(self, fn: Any) -> None:
+    def defer(self, fn: Any, delay_s: float) -> None:
         self.queued.append(fn)
+        self.delays.append(delay_s)
 
     def turn(self) -> None:
         queued, self.queued = self.queued, []
@@ -112,7 +114,9 @@ def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_call(
     leases.write_batch([], [])  # the script is loaded now, not inside the measured batch
     calls_before = _commands(redis_client, "evalsha") + _commands(redis_client, "exec")
     tokens = {
-        f"job-{i}": writer.take(_record(f"job-{i}"), lambda ok, i=i: acks.append((f"job-{i}", ok)))
+        f"job-{i}": writer.take(
+            f"job-{i}", _record(f"job-{i}"), lambda ok, i=i: acks.append((f"job-{i}", ok))
+        )
         for i in range(3)
     }
     writer.release("done-1", writer_old["done-1"])
@@ -138,7 +142,7 @@ def test_a_job_that_ends_before_its_lease_is_written_needs_no_lease(
     loop = Loop()
     writer = LeaseWriter(leases, loop.defer)
     acks: list[bool] = []
-    token = writer.take(_record("quick"), acks.append)
+    token = writer.take("quick", _record("quick"), acks.append)
     writer.release("quick", token)
     assert acks == [True], "its message is acked at once: the job is over"
     loop.turn()
@@ -153,7 +157,7 @@ def test_release_of_an_old_run_never_deletes_the_new_runs_queued_lease(
     loop = Loop()
     writer = LeaseWriter(leases, loop.defer)
     old = leases.take(_record("again"))
-    new = writer.take(_record("again"), lambda ok: None)
+    new = writer.take("again", _record("again"), lambda ok: None)
     writer.release("again", old)
     loop.turn()
     lease = leases.get("again")
@@ -166,7 +170,7 @@ def test_when_the_store_fails_the_writer_reports_the_take_unwritten() -> None:
     loop = Loop()
     writer = LeaseWriter(leases, loop.defer)
     acks: list[bool] = []
-    writer.take(_record("lost-store"), acks.append)
+    writer.take("lost-store", _record("lost-store"), acks.append)
     loop.turn()
     assert acks == [False], "the broker message must keep holding the job"
 
@@ -175,18 +179,84 @@ def test_without_a_loop_the_writer_writes_at_once(book: tuple[LeaseBook, Clock])
     leases, _ = book
     writer = LeaseWriter(leases, None)
     acks: list[bool] = []
-    token = writer.take(_record("sync"), acks.append)
+    token = writer.take("sync", _record("sync"), acks.append)
     assert acks == [True] and leases.get("sync") is not None
     writer.release("sync", token)
     assert leases.get("sync") is None and writer.pending() == 0
 
 
-def test_a_record_that_is_not_json_raises_at_take(book: tuple[LeaseBook, Clock]) -> None:
+def test_a_record_that_is_not_json_leaves_the_job_to_its_broker_message(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    """DESIGN decision 4: no lease, no ack; the other takes of the batch are written."""
     leases, _ = book
-    writer = LeaseWriter(leases, Loop().defer)
-    with pytest.raises(TypeError):
-        writer.take({**_record("bad"), "args": [object()]}, lambda ok: None)
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    acks: list[tuple[str, bool]] = []
+    writer.take("bad", {**_record("bad"), "args": [object()]}, lambda ok: acks.append(("bad", ok)))
+    writer.take("good", _record("good"), lambda ok: acks.append(("good", ok)))
+    loop.turn()
+    assert sorted(acks) == [("bad", False), ("good", True)]
+    assert leases.get("bad") is None and leases.get("good") is not None
     assert writer.pending() == 0
+    sync: list[bool] = []
+    LeaseWriter(leases, None).take("bad2", {**_record("bad2"), "args": [object()]}, sync.append)
+    assert sync == [False] and leases.get("bad2") is None
+
+
+def test_a_record_function_runs_only_when_the_lease_is_written(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    built: list[str] = []
+
+    def record(task_id: str) -> Any:
+        return lambda: built.append(task_id) or _record(task_id)
+
+    quick = writer.take("quick", record("quick"), lambda ok: None)
+    writer.take("slow", record("slow"), lambda ok: None)
+    writer.release("quick", quick)  # ended before the flush
+    loop.turn()
+    assert built == ["slow"]
+    lease = leases.get("slow")
+    assert lease is not None and lease["task_id"] == "slow" and leases.get("quick") is None
+
+
+def test_a_busy_writer_waits_longer_so_one_batch_serves_more_jobs(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    """Idle: 2 ms from dispatch to the write; written in the last 50 ms: 10 ms."""
+    from celery_ojs_ml.integration import leases as module
+
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer)
+    writer.take("a", _record("a"), lambda ok: None)
+    loop.turn()
+    writer.take("b", _record("b"), lambda ok: None)
+    loop.turn()
+    assert loop.delays == [module.IDLE_DELAY_S, module.BUSY_DELAY_S]
+    writer._last_flush -= module.BUSY_WINDOW_S  # as if 50 ms had passed
+    writer.take("c", _record("c"), lambda ok: None)
+    assert loop.delays[-1] == module.IDLE_DELAY_S
+    assert module.IDLE_DELAY_S < module.BUSY_DELAY_S
+    strict_loop = Loop()
+    strict = LeaseWriter(leases, strict_loop.defer, busy_delay_s=0.0)  # lease_write_delay_ms=0
+    strict.take("d", _record("d"), lambda ok: None)
+    strict_loop.turn()
+    strict.take("e", _record("e"), lambda ok: None)
+    assert strict_loop.delays == [0.0, 0.0], "the next loop turn, busy or not"
+
+
+def test_tokens_are_unique_across_writers(book: tuple[LeaseBook, Clock]) -> None:
+    leases, _ = book
+    one, two = LeaseWriter(leases, Loop().defer), LeaseWriter(leases, Loop().defer)
+    tokens = {
+        w.take(f"t{i}", _record(f"t{i}"), lambda ok: None) for w in (one, two) for i in range(50)
+    }
+    assert len(tokens) == 100
 
 
 def test_writer_on_fakeredis_without_lua_falls_back_by_itself() -> None:
@@ -195,7 +265,7 @@ def test_writer_on_fakeredis_without_lua_falls_back_by_itself() -> None:
     writer = LeaseWriter(leases, loop.defer)
     acks: list[bool] = []
     old = leases.take(_record("f-1"))
-    token = writer.take(_record("f-2"), acks.append)
+    token = writer.take("f-2", _record("f-2"), acks.append)
     writer.release("f-1", old)
     loop.turn()
     assert acks == [True]
@@ -237,7 +307,7 @@ def test_the_event_loop_reads_the_batch_reply_instead_of_waiting_for_it(
 ) -> None:
     leases, loop, writer = _async_writer(redis_client)
     acks: list[bool] = []
-    token = writer.take(_record("async-1"), acks.append)
+    token = writer.take("async-1", _record("async-1"), acks.append)
     loop.turn()  # the flush sends the batch and returns at once
     assert acks == [] and writer.pending() == 1 and len(loop.readers) == 1
     loop.poll()  # the reply arrives; the loop's reader settles the batch
@@ -254,12 +324,12 @@ def test_the_event_loop_reads_the_batch_reply_instead_of_waiting_for_it(
 def test_a_batch_whose_connection_breaks_is_written_again(redis_client: redis.Redis) -> None:
     leases, loop, writer = _async_writer(redis_client)
     acks: list[bool] = []
-    writer.take(_record("warm"), acks.append)
+    writer.take("warm", _record("warm"), acks.append)
     writer.flush(wait=True)
     host, port = writer._conn._sock.getsockname()[:2]
     killed = redis_client.client_kill(f"{host}:{port}")  # the writer's own connection
     assert killed
-    token = writer.take(_record("after-kill"), acks.append)
+    token = writer.take("after-kill", _record("after-kill"), acks.append)
     writer.flush()  # sent on the dead connection (or refused at once)
     loop.poll(timeout=1)
     writer.flush(wait=True)
@@ -273,13 +343,33 @@ def test_a_batch_whose_connection_breaks_is_written_again(redis_client: redis.Re
 def test_a_batch_the_server_cannot_run_is_written_again(redis_client: redis.Redis) -> None:
     leases, loop, writer = _async_writer(redis_client)
     acks: list[bool] = []
-    writer.take(_record("before"), acks.append)
+    writer.take("before", _record("before"), acks.append)
     writer.flush(wait=True)
     redis_client.script_flush()  # as after a server restart: EVALSHA answers NOSCRIPT
-    token = writer.take(_record("noscript"), acks.append)
+    token = writer.take("noscript", _record("noscript"), acks.append)
     writer.flush()
     loop.poll()
     assert acks == [True, True]
     lease = leases.get("noscript")
     assert lease is not None and lease["token"] == token
     writer.close()
+
+
+def test_pack_command_sends_what_redis_py_would() -> None:
+    from redis._parsers.encoders import Encoder
+    from redis.connection import PythonRespSerializer
+
+    from celery_ojs_ml.integration.leases import pack_command
+
+    args = (
+        "EVALSHA",
+        "f00",
+        2,
+        "lt:{ml}:leases",
+        "lt:{ml}:lease:é",
+        1,
+        '{"a": [1.5]}',
+        1e9 + 0.125,
+    )
+    serializer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    assert pack_command(*args) == b"".join(serializer.pack(*args))
