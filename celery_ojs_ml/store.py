@@ -98,23 +98,30 @@ class OJSStore:
     # -- requirement-class registry ------------------------------------------------
 
     def register_class(
-        self, class_id: str, constraints: dict[str, Any], *, logical_queue: str
+        self,
+        class_id: str,
+        constraints: dict[str, Any],
+        *,
+        logical_queue: str,
+        band: str | None = None,
     ) -> bool:
-        """Record that `logical_queue` routes jobs of `class_id`; True when the pair is new.
+        """Record that `logical_queue` routes jobs of `class_id` in `band`; True when new.
 
-        A new pair bumps the registry version and is published on
-        `classes_channel` in the same transaction, so workers polling the
-        version and workers subscribed to the channel never disagree. The
-        constraints of a known class id are kept as first written: the id is a
-        hash of them.
+        A new (logical queue, band) pair bumps the registry version and is
+        published on `classes_channel` in the same transaction, so workers
+        polling the version and workers subscribed to the channel never
+        disagree. Workers consume only the bands registered for a class (a
+        class registered without a band, by an older producer, in every band).
+        The constraints of a known class id are kept as first written: the id
+        is a hash of them.
         """
-        queues = self.key("class", "queues", class_id)
+        keys = (self.key("class", "queues", class_id), self.key("class", "routes", class_id))
         version = self.key("class", "version")
         with self._r.pipeline(transaction=True) as pipe:
             for _ in range(_WATCH_RETRIES):
                 try:
                     return self._register_once(
-                        pipe, queues, version, class_id, constraints, logical_queue
+                        pipe, keys, version, class_id, constraints, logical_queue, band
                     )
                 except redis.WatchError:
                     continue
@@ -123,39 +130,59 @@ class OJSStore:
     def _register_once(
         self,
         pipe: redis.client.Pipeline,
-        queues: str,
+        keys: tuple[str, str],
         version: str,
         class_id: str,
         constraints: dict[str, Any],
         logical_queue: str,
+        band: str | None,
     ) -> bool:
+        queues, routes = keys
+        route = _dumps([logical_queue, band]) if band is not None else None
         # redis-py leaves Pipeline.watch unannotated; it returns the server's OK.
-        pipe.watch(queues, version)  # type: ignore[no-untyped-call]
-        if pipe.sismember(queues, logical_queue):
+        pipe.watch(queues, routes, version)  # type: ignore[no-untyped-call]
+        known = pipe.sismember(queues, logical_queue)
+        if known and (route is None or pipe.sismember(routes, route)):
             pipe.unwatch()
             return False
         next_version = int(pipe.get(version) or 0) + 1
-        message = {"class_id": class_id, "logical_queue": logical_queue, "version": next_version}
+        message = {
+            "class_id": class_id,
+            "logical_queue": logical_queue,
+            "band": band,
+            "version": next_version,
+        }
         pipe.multi()
         pipe.hsetnx(self.key("class", "constraints"), class_id, _dumps(constraints))
         pipe.sadd(queues, logical_queue)
+        if route is not None:
+            pipe.sadd(routes, route)
         pipe.incr(version)
         pipe.publish(self.classes_channel, _dumps(message))
         pipe.execute()
         return True
 
     def classes(self) -> dict[str, dict[str, Any]]:
-        """Every class: `{class_id: {"constraints": {...}, "queues": [sorted logical queues]}}`."""
+        """Every class: `{class_id: {"constraints", "queues", "routes"}}`.
+
+        `queues` are its sorted logical queues; `routes` the sorted
+        `[logical queue, band]` pairs jobs were published with.
+        """
         raw: dict[Any, Any] = self._r.hgetall(self.key("class", "constraints"))
         ids = sorted(_text(k) for k in raw)
         with self._r.pipeline(transaction=False) as pipe:
             for cid in ids:
                 pipe.smembers(self.key("class", "queues", cid))
+                pipe.smembers(self.key("class", "routes", cid))
             members = pipe.execute()
         by_id = {_text(k): v for k, v in raw.items()}
         return {
-            cid: {"constraints": json.loads(by_id[cid]), "queues": sorted(_text(q) for q in qs)}
-            for cid, qs in zip(ids, members, strict=True)
+            cid: {
+                "constraints": json.loads(by_id[cid]),
+                "queues": sorted(_text(q) for q in qs),
+                "routes": sorted(json.loads(_text(r)) for r in rs),
+            }
+            for cid, qs, rs in zip(ids, members[::2], members[1::2], strict=True)
         }
 
     def classes_version(self) -> int:

@@ -318,24 +318,28 @@ Record = dict[str, Any] | Callable[[], dict[str, Any]]
 """A lease record, or a function that builds it (called only if the lease is written)."""
 
 IDLE_DELAY_S = 0.002
-"""Delay of a lease write on a worker that wrote nothing in the last `BUSY_WINDOW_S`."""
+"""How long a job runs before its lease is written, on a worker that took no lease in
+the last `BUSY_WINDOW_S`."""
 BUSY_DELAY_S = 0.020
-"""Default delay of a lease write on a busy worker (`ojs_ml_lease_write_delay_ms`): one
-batch per 20 ms, and no write at all for jobs that end within it."""
+"""The same on a busy worker (`ojs_ml_lease_write_delay_ms`): one batch serves the jobs
+of many milliseconds, and a job that ends sooner needs no lease write at all."""
 BUSY_WINDOW_S = 0.050
 
 
 class LeaseWriter:
     """The hot-path lease writes of one worker: batched under an event loop (module doc).
 
-    `defer(fn, delay_s)` schedules `fn` on the worker's event loop `delay_s`
-    from now; without it every write is made at once. The delay is
-    `IDLE_DELAY_S` on a worker that has written nothing for `BUSY_WINDOW_S`
-    and `busy_delay_s` on a busy one (the smaller of the two on an idle one).
-    With `loop` (the worker's kombu hub) a batch is sent on a connection of
-    its own, packed here, and its reply is read when the loop sees it arrive,
-    so the event loop never sits waiting for the store. Not thread-safe when
-    deferring: under prefork every call comes from the loop.
+    Each take is due `IDLE_DELAY_S` after it was queued on a worker that took
+    no lease for `BUSY_WINDOW_S`, and `busy_delay_s` after on a busy one (the
+    smaller of the two when idle). `defer(fn, delay_s)` schedules `fn` on the
+    worker's event loop `delay_s` from now; then one timer at a time sends the
+    takes that are due, with every queued release, and is set again for the
+    next take due. So a lease exists once its job has run for the delay, and
+    a job that ends sooner costs no write. Without `defer` every write is
+    made at once. With `loop` (the worker's kombu hub) a batch is sent on a
+    connection of its own, packed here, and its reply is read when the loop
+    sees it arrive, so the event loop never sits waiting for the store. Not
+    thread-safe when deferring: under prefork every call comes from the loop.
     """
 
     def __init__(
@@ -344,15 +348,18 @@ class LeaseWriter:
         defer: Callable[[Callable[[], None], float], Any] | None = None,
         loop: Any = None,
         busy_delay_s: float = BUSY_DELAY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.book = book
         self._defer = defer
+        self._clock = clock
         self._delays = (min(IDLE_DELAY_S, busy_delay_s), busy_delay_s)
         self._loop = loop if defer is not None else None
-        self._takes: dict[str, tuple[str, Record, Callable[[bool], None]]] = {}
+        self._takes: dict[str, tuple[str, Record, Callable[[bool], None], float]] = {}
+        """token -> (task id, record, written, due); due times never decrease."""
         self._releases: list[tuple[str, str]] = []
-        self._scheduled = False
-        self._last_flush = -1.0
+        self._timer_at: float | None = None
+        self._last_take = -1e9
         self._conn: Any = None
         self._fd: int | None = None
         self._inflight: deque[Batch] = deque()
@@ -364,7 +371,7 @@ class LeaseWriter:
         `written(ok)` is called once: True when the lease is written (or the
         job finished before it had to be), False when the store failed or the
         record is not JSON (its broker message then keeps holding the job).
-        A `record` function runs when the batch is sent, so a job that ends
+        A `record` function runs when the lease is written, so a job that ends
         before then costs no record at all.
         """
         token: str = next(self._tokens)
@@ -372,8 +379,11 @@ class LeaseWriter:
             built = self._build(task_id, token, record)
             written(built is not None and self._write([built], []))
             return token
-        self._takes[token] = (task_id, record, written)
-        self._schedule()
+        now = self._clock()
+        due = now + self._delays[now - self._last_take < BUSY_WINDOW_S]
+        self._last_take = now
+        self._takes[token] = (task_id, record, written, due)
+        self._schedule(due)
         return token
 
     def release(self, task_id: str, token: str) -> None:
@@ -386,7 +396,8 @@ class LeaseWriter:
             self._write([], [(task_id, token)])
             return
         self._releases.append((task_id, token))
-        self._schedule()
+        now = self._clock()  # sent with the next batch; soon on an idle worker
+        self._schedule(now + self._delays[now - self._last_take < BUSY_WINDOW_S])
 
     def pending(self) -> int:
         """Queued writes not yet sent, plus batches sent whose reply has not been read."""
@@ -398,14 +409,29 @@ class LeaseWriter:
         The worker waits before its lease heartbeat (which must see the new
         leases) and at stop.
         """
-        self._scheduled = False
-        takes, self._takes = self._takes, {}
+        self._send_due(None)
+        if wait:
+            self._drain()
+
+    def _on_timer(self, at: float) -> None:
+        if self._timer_at == at:
+            self._timer_at = None
+        self._send_due(self._clock())
+
+    def _send_due(self, now: float | None) -> None:
+        """Send the takes due by `now` (all when None) and every queued release."""
+        takes: list[tuple[str, tuple[str, Record, Callable[[bool], None], float]]] = []
+        for token, queued in self._takes.items():
+            if now is not None and queued[3] > now:
+                break  # due times never decrease: the rest are later
+            takes.append((token, queued))
+        for token, _ in takes:
+            del self._takes[token]
         releases, self._releases = self._releases, []
         if takes or releases:
-            self._last_flush = time.monotonic()
             leases: list[tuple[str, str, float]] = []
             callbacks: list[Callable[[bool], None]] = []
-            for token, (task_id, record, written) in takes.items():
+            for token, (task_id, record, written, _) in takes:
                 built = self._build(task_id, token, record)
                 if built is None:
                     written(False)
@@ -415,8 +441,8 @@ class LeaseWriter:
             batch: Batch = (leases, releases, callbacks)
             if (leases or releases) and not self._send(batch):
                 self._finish(batch, self._write(batch[0], batch[1]))
-        if wait:
-            self._drain()
+        if self._takes:
+            self._schedule(next(iter(self._takes.values()))[3])
 
     def _build(self, task_id: str, token: str, record: Record) -> tuple[str, str, float] | None:
         """The `(task_id, json, deadline)` take; None (logged) when the record is not JSON."""
@@ -431,11 +457,12 @@ class LeaseWriter:
             )
             return None
 
-    def _schedule(self) -> None:
-        if not self._scheduled and self._defer is not None:
-            self._scheduled = True
-            busy = time.monotonic() - self._last_flush < BUSY_WINDOW_S
-            self._defer(self.flush, self._delays[busy])
+    def _schedule(self, due: float) -> None:
+        """Make sure a timer fires by `due` (a stale later timer only finds less to send)."""
+        if self._defer is None or (self._timer_at is not None and self._timer_at <= due):
+            return
+        self._timer_at = due
+        self._defer(lambda: self._on_timer(due), max(0.0, due - self._clock()))
 
     def _write(self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]) -> bool:
         try:

@@ -48,7 +48,7 @@ class OJSML:
         self.app = app
         self._settings: OJSMLSettings | None = None
         self._store: OJSStore | None = None
-        self._registered: set[tuple[str, str]] = set()
+        self._registered: set[tuple[str, str, str]] = set()
         self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
         self._eligible: dict[tuple[str, str], tuple[float, str | None]] = {}
         if isinstance(existing, OJSML):
@@ -101,12 +101,14 @@ class OJSML:
 
     # -- publish-side helpers used by the router ---------------------------------------------
 
-    def register_class(self, cid: str, constraints: dict[str, Any], logical: str) -> None:
-        """Register a requirement class once per process (then workers pick it up)."""
-        if (cid, logical) in self._registered:
+    def register_class(
+        self, cid: str, constraints: dict[str, Any], logical: str, band: str
+    ) -> None:
+        """Register a (class, logical queue, band) once per process; workers pick it up."""
+        if (cid, logical, band) in self._registered:
             return
-        self.store.register_class(cid, constraints, logical_queue=logical)
-        self._registered.add((cid, logical))
+        self.store.register_class(cid, constraints, logical_queue=logical, band=band)
+        self._registered.add((cid, logical, band))
 
     def live_workers(self) -> list[tuple[Capabilities, frozenset[str] | None]]:
         """(capabilities, consumed queues) of the live workers, cached for a second.

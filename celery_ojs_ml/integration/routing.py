@@ -127,7 +127,7 @@ class MLRouter:
         self, found: _Resolved, logical: str, options: dict[str, Any], headers: dict[str, Any]
     ) -> dict[str, Any]:
         cid, band_name = found.cid, found.band
-        self.plugin.register_class(cid, found.constraints, logical)
+        self.plugin.register_class(cid, found.constraints, logical, band_name)
         reason = self.plugin.check_satisfiable(found.req, cid, logical)
         if reason is not None:
             headers[HEADER_PENDING] = reason

@@ -144,6 +144,14 @@ def _child_prerun(**_: Any) -> None:
     reset_flag()
 
 
+def _routes(entry: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (logical queue, band) pairs of a registry entry; every band where none are known."""
+    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
+    known = {q for q, _ in routes}
+    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
+    return routes
+
+
 def _requirements(headers: dict[str, Any]) -> MLRequirements | None:
     if not headers.get(HEADER_CLASS):
         return None
@@ -181,7 +189,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self._pump_due = False
         self.hostname = str(c.hostname)
         self.subscribed: set[str] = set()
-        self.classes: dict[str, tuple[MLRequirements, list[str]]] = {}
+        self.classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]] = {}
+        """class id -> (requirements, the (logical queue, band) routes it was published on)."""
         self.version = -1
         self.logical: frozenset[str] = frozenset()
         """The worker's own (non-ML) queues: it takes ML jobs of these logical queues only."""
@@ -331,10 +340,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             version = self.store.classes_version()
             if version != self.version:
                 classes = {
-                    cid: (
-                        normalize(entry["constraints"]).requirements,
-                        list(entry.get("queues", [])),
-                    )
+                    cid: (normalize(entry["constraints"]).requirements, _routes(entry))
                     for cid, entry in self.store.classes().items()
                 }
                 with self.lock:
@@ -384,16 +390,16 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.allocator.held():
             return wanted  # fetch nothing more until the held jobs have started
         room = {b: self.allocator.preemptible_capacity(b) for b in BANDS[:-1]}
-        for cid, (req, queues) in self.classes.items():
+        for cid, (req, routes) in self.classes.items():
             fits_now = match(req, self.caps, free).verdict is Verdict.FITS
-            for b in BANDS:
+            for logical, b in routes:
+                if logical not in self.logical:
+                    continue
                 if not fits_now and (
                     b not in room or match(req, self.caps, room[b]).verdict is not Verdict.FITS
                 ):
                     continue  # a higher band also comes when preempting lower bands makes room
-                wanted.update(
-                    queue_name(logical, cid, b) for logical in queues if logical in self.logical
-                )
+                wanted.add(queue_name(logical, cid, b))
         return wanted
 
     def resubscribe(self) -> None:

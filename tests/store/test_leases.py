@@ -82,17 +82,28 @@ class Loop:
     """Stands in for the worker's event loop: deferred calls run when told to."""
 
     def __init__(self) -> None:
-        self.queued: list[Any] = []
+        self.queued: list[tuple[float, Any]] = []
         self.delays: list[float] = []
+        self.now = 100.0
+
+    def clock(self) -> float:
+        return self.now
 
     def defer(self, fn: Any, delay_s: float) -> None:
-        self.queued.append(fn)
+        self.queued.append((self.now + delay_s, fn))
         self.delays.append(delay_s)
 
     def turn(self) -> None:
-        queued, self.queued = self.queued, []
-        for fn in queued:
-            fn()
+        """Let time pass until every deferred call (and any it defers) has run, in due order."""
+        while self.queued:
+            self.step()
+
+    def step(self) -> None:
+        """Let time pass until the first deferred call is due, and run it."""
+        self.queued.sort(key=lambda q: q[0])
+        due, fn = self.queued.pop(0)
+        self.now = max(self.now, due)
+        fn()
 
 
 def _commands(client: redis.Redis, name: str) -> int:
@@ -107,10 +118,14 @@ def test_writer_batches_takes_and_releases_of_a_loop_turn_into_one_call(
     leases, _ = book
     lua = leases._scripts is not None
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     acks: list[tuple[str, bool]] = []
     old = leases.take(_record("done-1"))
     writer_old = {"done-1": old}
+    warm = writer.take("warm", _record("warm"), lambda ok: None)  # the writer is busy now
+    loop.turn()
+    writer.release("warm", warm)
+    loop.turn()
     leases.write_batch([], [])  # the script is loaded now, not inside the measured batch
     calls_before = _commands(redis_client, "evalsha") + _commands(redis_client, "exec")
     tokens = {
@@ -140,7 +155,7 @@ def test_a_job_that_ends_before_its_lease_is_written_needs_no_lease(
 ) -> None:
     leases, _ = book
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     acks: list[bool] = []
     token = writer.take("quick", _record("quick"), acks.append)
     writer.release("quick", token)
@@ -155,7 +170,7 @@ def test_release_of_an_old_run_never_deletes_the_new_runs_queued_lease(
     """A preempted job re-published and started again here in the same loop turn."""
     leases, _ = book
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     old = leases.take(_record("again"))
     new = writer.take("again", _record("again"), lambda ok: None)
     writer.release("again", old)
@@ -168,7 +183,7 @@ def test_when_the_store_fails_the_writer_reports_the_take_unwritten() -> None:
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     leases = LeaseBook(OJSStore(dead, prefix="lt"), ttl_s=30)  # the store is unreachable
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     acks: list[bool] = []
     writer.take("lost-store", _record("lost-store"), acks.append)
     loop.turn()
@@ -191,7 +206,7 @@ def test_a_record_that_is_not_json_leaves_the_job_to_its_broker_message(
     """DESIGN decision 4: no lease, no ack; the other takes of the batch are written."""
     leases, _ = book
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     acks: list[tuple[str, bool]] = []
     writer.take("bad", {**_record("bad"), "args": [object()]}, lambda ok: acks.append(("bad", ok)))
     writer.take("good", _record("good"), lambda ok: acks.append(("good", ok)))
@@ -209,7 +224,7 @@ def test_a_record_function_runs_only_when_the_lease_is_written(
 ) -> None:
     leases, _ = book
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     built: list[str] = []
 
     def record(task_id: str) -> Any:
@@ -224,30 +239,58 @@ def test_a_record_function_runs_only_when_the_lease_is_written(
     assert lease is not None and lease["task_id"] == "slow" and leases.get("quick") is None
 
 
-def test_a_busy_writer_waits_longer_so_one_batch_serves_more_jobs(
+def test_a_lease_is_written_once_its_job_ran_for_the_delay_idle_2_ms_busy_20_ms(
     book: tuple[LeaseBook, Clock],
 ) -> None:
-    """Idle: 2 ms from dispatch to the write; written in the last 50 ms: 10 ms."""
+    """DESIGN decision 4, batched: idle workers write 2 ms after dispatch; busy ones
+    (a take in the last 50 ms) 20 ms after, so short jobs never cost a write."""
     from celery_ojs_ml.integration import leases as module
 
     leases, _ = book
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
-    writer.take("a", _record("a"), lambda ok: None)
-    loop.turn()
-    writer.take("b", _record("b"), lambda ok: None)
-    loop.turn()
-    assert loop.delays == [module.IDLE_DELAY_S, module.BUSY_DELAY_S]
-    writer._last_flush -= module.BUSY_WINDOW_S  # as if 50 ms had passed
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
+    acks: list[str] = []
+    writer.take("a", _record("a"), lambda ok: acks.append("a"))  # idle: due in 2 ms
+    loop.now += 0.001
+    quick = writer.take("q", _record("q"), lambda ok: acks.append("q"))  # busy: due in 20 ms
+    loop.now += 0.001
+    writer.take("b", _record("b"), lambda ok: acks.append("b"))  # busy: due in 20 ms
+    assert loop.delays == [pytest.approx(module.IDLE_DELAY_S)], "one timer, for the first due"
+    loop.step()  # 2 ms after "a": only "a" is due
+    assert acks == ["a"] and leases.get("a") is not None and leases.get("b") is None
+    assert loop.delays[-1] == pytest.approx(module.BUSY_DELAY_S - 0.001), "set for 'q'"
+    loop.now += 0.005
+    writer.release("q", quick)  # "q" ended after 6 ms: no write for it at all
+    assert acks == ["a", "q"]
+    loop.turn()  # 21 ms after "q": "b" is due now
+    assert acks == ["a", "q", "b"] and leases.get("b") is not None and leases.get("q") is None
+    assert writer.pending() == 0
+    loop.now += module.BUSY_WINDOW_S  # quiet for 50 ms: idle again
     writer.take("c", _record("c"), lambda ok: None)
-    assert loop.delays[-1] == module.IDLE_DELAY_S
-    assert module.IDLE_DELAY_S < module.BUSY_DELAY_S
+    assert loop.delays[-1] == pytest.approx(module.IDLE_DELAY_S)
     strict_loop = Loop()
-    strict = LeaseWriter(leases, strict_loop.defer, busy_delay_s=0.0)  # lease_write_delay_ms=0
+    strict = LeaseWriter(leases, strict_loop.defer, busy_delay_s=0.0, clock=strict_loop.clock)
     strict.take("d", _record("d"), lambda ok: None)
     strict_loop.turn()
     strict.take("e", _record("e"), lambda ok: None)
-    assert strict_loop.delays == [0.0, 0.0], "the next loop turn, busy or not"
+    assert strict_loop.delays == [0.0, 0.0], "lease_write_delay_ms=0: the next loop turn"
+
+
+def test_a_release_on_an_idle_worker_goes_out_within_2_ms(book: tuple[LeaseBook, Clock]) -> None:
+    """A finished job's lease must not linger: a claimer would re-publish a done job."""
+    from celery_ojs_ml.integration import leases as module
+
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
+    token = writer.take("long", _record("long"), lambda ok: None)
+    loop.turn()
+    assert leases.get("long") is not None
+    loop.now += 3600  # a long job
+    writer.release("long", token)
+    assert loop.delays[-1] == pytest.approx(module.IDLE_DELAY_S)
+    loop.turn()
+    assert leases.get("long") is None
 
 
 def test_tokens_are_unique_across_writers(book: tuple[LeaseBook, Clock]) -> None:
@@ -262,7 +305,7 @@ def test_tokens_are_unique_across_writers(book: tuple[LeaseBook, Clock]) -> None
 def test_writer_on_fakeredis_without_lua_falls_back_by_itself() -> None:
     leases = LeaseBook(OJSStore(fakeredis.FakeRedis(), prefix="lt"), ttl_s=30)
     loop = Loop()
-    writer = LeaseWriter(leases, loop.defer)
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
     acks: list[bool] = []
     old = leases.take(_record("f-1"))
     token = writer.take("f-2", _record("f-2"), acks.append)
@@ -299,7 +342,7 @@ class ReadingLoop(Loop):
 def _async_writer(redis_client: redis.Redis) -> tuple[LeaseBook, ReadingLoop, LeaseWriter]:
     leases = LeaseBook(OJSStore(redis_client, prefix="lt"), ttl_s=30)
     loop = ReadingLoop()
-    return leases, loop, LeaseWriter(leases, loop.defer, loop)
+    return leases, loop, LeaseWriter(leases, loop.defer, loop, clock=loop.clock)
 
 
 def test_the_event_loop_reads_the_batch_reply_instead_of_waiting_for_it(

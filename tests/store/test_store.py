@@ -77,7 +77,7 @@ def test_from_url_reaches_the_server_at_that_url(redis_url: str) -> None:
 
 def test_registering_a_new_class_returns_true_and_lists_it_with_its_queue(store: OJSStore) -> None:
     assert store.register_class("c1", A100, logical_queue="train") is True
-    assert store.classes() == {"c1": {"constraints": A100, "queues": ["train"]}}
+    assert store.classes() == {"c1": {"constraints": A100, "queues": ["train"], "routes": []}}
 
 
 def test_registering_the_same_class_twice_publishes_once_and_returns_false(
@@ -89,7 +89,7 @@ def test_registering_the_same_class_twice_publishes_once_and_returns_false(
         assert store.register_class("c1", A100, logical_queue="train") is True
         assert store.register_class("c1", A100, logical_queue="train") is False
         messages = _messages(pubsub)
-    assert messages == [{"class_id": "c1", "logical_queue": "train", "version": 1}]
+    assert messages == [{"class_id": "c1", "logical_queue": "train", "band": None, "version": 1}]
 
 
 def test_the_registry_version_counts_new_class_queue_pairs_only(store: OJSStore) -> None:
@@ -99,6 +99,18 @@ def test_the_registry_version_counts_new_class_queue_pairs_only(store: OJSStore)
     assert store.classes_version() == 1
     store.register_class("c2", {"ext_ml_gpu_count": 2}, logical_queue="train")
     assert store.classes_version() == 2
+
+
+def test_each_new_band_of_a_class_is_a_new_route_and_a_new_version(store: OJSStore) -> None:
+    """Workers consume only the (logical queue, band) queues jobs were published to."""
+    assert store.register_class("c1", A100, logical_queue="train", band="spot") is True
+    assert store.register_class("c1", A100, logical_queue="train", band="spot") is False
+    assert store.register_class("c1", A100, logical_queue="train", band="reserved") is True
+    assert store.register_class("c1", A100, logical_queue="infer", band="spot") is True
+    entry = store.classes()["c1"]
+    assert entry["queues"] == ["infer", "train"]
+    assert entry["routes"] == [["infer", "spot"], ["train", "reserved"], ["train", "spot"]]
+    assert store.classes_version() == 3
 
 
 def test_a_class_used_from_a_second_logical_queue_keeps_both_queues(store: OJSStore) -> None:
@@ -244,12 +256,12 @@ def test_the_store_works_on_fakeredis_for_the_embedded_demo() -> None:
         assert store.register_class("c1", A100, logical_queue="train") is True
         assert store.register_class("c1", A100, logical_queue="train") is False
         assert _messages(pubsub, quiet_s=0.05) == [
-            {"class_id": "c1", "logical_queue": "train", "version": 1}
+            {"class_id": "c1", "logical_queue": "train", "band": None, "version": 1}
         ]
         store.advertise("w1", CAPS, FREE)
         store.set_pending("t1", {"reason": "r", "class_id": "c1", "queue": "train"})
         store.set_held("w1", [{"task_id": "t1"}])
-        assert store.classes() == {"c1": {"constraints": A100, "queues": ["train"]}}
+        assert store.classes() == {"c1": {"constraints": A100, "queues": ["train"], "routes": []}}
         assert list(store.live_workers()) == ["w1"]
         assert list(store.pending()) == ["t1"]
         assert store.held() == {"w1": [{"task_id": "t1"}]}
