@@ -90,6 +90,12 @@ WAKE = Variant("wake", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
 WAKE_LONG = Variant("wake_long", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
 WAKE_NR = Variant("wake_nr", "plugin 1 GPU -c 2, a fresh child per task", True, "always", ONE_GPU)
 WAKE_PLAIN = Variant("wake_plain", "plain Celery -c 1 (reference, no gate)", False, concurrency=1)
+WAKE_PLAIN_NR = Variant(
+    "wake_plain_nr",
+    "plain Celery -c 2, max-tasks-per-child 1 (reference)",
+    False,
+    extra_args=("--max-tasks-per-child", "1"),
+)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -456,6 +462,7 @@ def wake_runs(args: argparse.Namespace) -> list[tuple[Variant, int, float]]:
         (WAKE_LONG, args.long_burst, args.long_sleep_ms),
         (WAKE_NR, args.burst, args.sleep_ms),
         (WAKE_PLAIN, args.burst, args.sleep_ms),
+        (WAKE_PLAIN_NR, args.burst, args.sleep_ms),
     ]
 
 
@@ -497,7 +504,10 @@ def summarise(
     lat: dict[str, dict[str, list[dict[str, Any]]]],
     wake: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    labels = {v.key: v.label for v in (PLAIN, PLUGIN, RETIRE, WAKE, WAKE_LONG, WAKE_NR, WAKE_PLAIN)}
+    labels = {
+        v.key: v.label
+        for v in (PLAIN, PLUGIN, RETIRE, WAKE, WAKE_LONG, WAKE_NR, WAKE_PLAIN, WAKE_PLAIN_NR)
+    }
     out: dict[str, Any] = {
         "config": {
             "rounds": args.rounds,
@@ -632,7 +642,7 @@ def table(result: dict[str, Any]) -> str:
             )
         lines += [f"{a:72s} {b:>10s} {c:>9s}  {d}".rstrip() for a, b, c, d in rows]
     for key, x in w.items():
-        gated = key != "wake_plain"
+        gated = not key.startswith("wake_plain")
         name = f"wake-up, {x['label']}, {x['burst']} x {x['sleep_ms']:g} ms"
         lines.append(
             f"{name + ' median':72s} {x['median_ms']:7.2f} ms "
@@ -684,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="throughput and hot-latency tasks per round for the recycling plugin worker "
         "(default 20)",
     )
-    add("--hot-tasks", type=int, default=60, help="hot-paced tasks per round (default 60)")
+    add("--hot-tasks", type=int, default=150, help="hot-paced tasks per round (default 150)")
     add("--hot-gap-ms", type=float, default=10.0, help="pause, hot pacing (default 10)")
     add("--latency-tasks", type=int, default=20, help="idle-paced tasks per round (default 20)")
     add("--gap-ms", type=float, default=400.0, help="pause, idle pacing (default 400)")

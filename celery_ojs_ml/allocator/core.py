@@ -90,7 +90,9 @@ class Allocator:
         self._held: dict[Hashable, Pending] = {}
         self._seq: dict[Hashable, int] = {}
         self._counter = itertools.count()
-        self._shape: tuple[Any, ...] | None = None
+        self._shape: frozenset[tuple[tuple[Any, ...], int]] | None = None
+        self._shapes: dict[tuple[Any, ...], int] = {}
+        """How many running jobs have each `_Job.shape` (kept as jobs start and end)."""
         self._free_now: Demand | None = None
         self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, _Assessment]] = {}
         self._free_by_shape: dict[Hashable, Demand] = {}
@@ -138,6 +140,11 @@ class Allocator:
         job = self._running.pop(key, None)
         if job is None:
             return None
+        left = self._shapes[job.shape] - 1
+        if left:
+            self._shapes[job.shape] = left
+        else:
+            del self._shapes[job.shape]
         self._shape = self._free_now = None
         return job.alloc
 
@@ -189,10 +196,10 @@ class Allocator:
         """
         return self._shape_now(), bool(self._held)
 
-    def _shape_now(self) -> tuple[Any, ...]:
-        """The running jobs' part of `capacity_key` (a sorted tuple), cached until they change."""
+    def _shape_now(self) -> frozenset[tuple[tuple[Any, ...], int]]:
+        """The running jobs' part of `capacity_key`: each job shape with its count."""
         if self._shape is None:
-            self._shape = tuple(sorted(j.shape for j in self._running.values()))
+            self._shape = frozenset(self._shapes.items())
         return self._shape
 
     def free_capacity(self) -> FreeCapacity:
@@ -342,7 +349,8 @@ class Allocator:
             preemptible_of(req),
             self._clock(),
         )
-        self._running[key] = _Job(alloc, dict(labels))
+        job = self._running[key] = _Job(alloc, dict(labels))
+        self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
         self._shape = self._free_now = None
         return alloc
 

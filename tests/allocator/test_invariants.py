@@ -126,6 +126,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             256 - used.memory_gb,
         )
 
+    @invariant()
+    def the_capacity_key_counts_the_running_jobs_by_shape(self) -> None:
+        """The cached, incrementally kept shape equals one recounted from scratch."""
+        recount: dict[Any, int] = {}
+        for j in self.a._running.values():
+            recount[j.shape] = recount.get(j.shape, 0) + 1
+        assert self.a.capacity_key() == (frozenset(recount.items()), bool(self.a.held()))
+
 
 def _rank(band: str) -> int:
     return ["spot", "on-demand", "reserved"].index(band)
