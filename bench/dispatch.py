@@ -2,11 +2,15 @@
 
 No-op tasks that need 1 simulated GPU, run by real `celery worker` processes
 (prefork, `-c 2`, same settings for every variant) on a private `redis-server`
-(unless `--redis-url`). Each round starts a fresh worker per variant, and the
-variant order rotates between rounds. Reports, with PASS/MISS against targets:
+(unless `--redis-url`). Each round starts a fresh worker per variant, each on
+its own queue, all running for the whole round; the phases alternate between
+the variants in short segments (throughput) or task by task (latency), so a
+slow spell of the VM hits every variant alike. Reports, with PASS/MISS against
+targets:
 
 * throughput ratio plugin / plain (target >= 0.9): tasks published back to
-  back, tasks/s from the first publish to the last task end. For the plugin
+  back, tasks/s from the first publish to the last task end, per round over its
+  `--segments`; the verdict is the median of the per-round (paired) ratios. For the plugin
   with its defaults (the no-op never initialises CUDA, so pool children are
   reused: the gate alone) and with `ojs_ml_recycle_gpu_children="always"`
   (a fresh child per task: the cost a task that initialises CUDA pays);
@@ -538,10 +542,15 @@ def summarise(
     plain = out["variants"]["plain"]
     for key in ("plugin", "retire"):
         v = out["variants"][key]
-        v["throughput_ratio"] = v["tasks_per_s_median"] / plain["tasks_per_s_median"]
         v["throughput_ratio_per_round"] = [
             a / b for a, b in zip(v["tasks_per_s"], plain["tasks_per_s"], strict=True)
         ]
+        # The verdict is the median of the per-round ratios: within a round the variants
+        # alternate segment by segment, so each round's ratio is a paired comparison,
+        # while the VM's speed drifts between rounds. The ratio of the medians (which
+        # pairs plain from one round with the plugin from another) is shown as well.
+        v["throughput_ratio"] = statistics.median(v["throughput_ratio_per_round"])
+        v["throughput_ratio_of_medians"] = v["tasks_per_s_median"] / plain["tasks_per_s_median"]
         for pacing in PACINGS:
             mine, base = v["latency"][pacing], plain["latency"][pacing]
             for stat in ("p50_ms", "p99_ms", "publish_call_p50_ms", "after_publish_p50_ms"):
@@ -608,10 +617,16 @@ def table(result: dict[str, Any]) -> str:
         per_round = ", ".join(f"{r:.2f}" for r in x["throughput_ratio_per_round"])
         rows = [
             (
-                f"throughput ratio, {name} [{per_round}]",
+                f"throughput ratio, {name}: median of rounds [{per_round}]",
                 f"{x['throughput_ratio']:.2f}",
                 f">= {TARGET_RATIO}",
                 verdict(x["throughput_ratio"] >= TARGET_RATIO),
+            ),
+            (
+                f"  ratio of the median tasks/s (unpaired), {name}",
+                f"{x['throughput_ratio_of_medians']:.2f}",
+                "",
+                "",
             ),
         ]
         for stat in ("p50", "p99"):
