@@ -11,12 +11,13 @@ Key decisions:
   deadline by heartbeat; a claim is a WATCH/MULTI compare-and-set on the lease
   (no Lua, so fakeredis works), which makes exactly one claimer win.
 * The two writes on every job's hot path, take and release, go through a
-  `LeaseWriter`. In a worker with an event loop (prefork) it batches them: the
-  takes and releases of about a millisecond go out as one Lua call (releases
-  token-checked, as below), usually after the job was
-  handed to its pool child, so the write is off the task's start-up path and
-  costs one round trip per batch instead of one per job. The broker message is acked only when
-  its lease is written; a job that finishes before that needs no lease at all.
+  `LeaseWriter`. In a worker with an event loop (prefork) it batches them: a
+  lease is written once its job has run for a short delay (2 ms on an idle
+  worker, `ojs_ml_lease_write_delay_ms` on a busy one), together with every
+  queued release, as one Lua call (releases token-checked, as below) on a
+  connection of its own, so the write is off the task's start-up path and
+  costs one round trip per batch. The broker message is acked only when its
+  lease is written; a job that finishes before that needs no lease at all.
   Without an event loop (threads pool, the embedded demo) each write is made at
   once. Where the server has no scripting (fakeredis without lupa) writes fall
   back to a MULTI pipeline and the compare-and-set.
