@@ -10,6 +10,7 @@ The report is one JSON-able dict, so `--json` and the text view cannot disagree.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import time
 from typing import TYPE_CHECKING, Any
@@ -131,6 +132,71 @@ def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
     return {"task_id": task_id, "state": "unknown"}
 
 
+_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+"""kombu's Redis transport keeps priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
+_SCAN_LIMIT = 10_000
+"""Messages read from the head of each class queue when looking for a task id."""
+
+
+def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
+    """A job still in a requirement-class queue of a Redis broker; None when not found.
+
+    Reads the head (the next `_SCAN_LIMIT` messages to be delivered) of every
+    registered (class, logical queue, band) queue, and judges the job against
+    the live workers that consume its logical queue, with their advertised
+    free capacity. Raises `LookupError` when the broker is not Redis (its
+    queued messages cannot be listed).
+    """
+    from celery_ojs_ml.integration.routing import class_routes, queue_name
+    from celery_ojs_ml.matching import rank
+    from celery_ojs_ml.spec.normalize import normalize
+
+    with plugin.app.connection_for_read() as conn:
+        if conn.transport.driver_type != "redis":
+            raise LookupError(f"the broker is {conn.transport.driver_type}, not Redis")
+        client = conn.default_channel.client
+        for cid, entry in plugin.store.classes().items():
+            for logical, band in class_routes(entry):
+                queue = queue_name(logical, cid, band)
+                for key in (queue + suffix for suffix in _PRIORITY_SUFFIXES):
+                    items = client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes from the right
+                    for index, raw in enumerate(items):
+                        try:
+                            headers = json.loads(raw).get("headers") or {}
+                        except (ValueError, AttributeError):
+                            continue
+                        if headers.get("id") != task_id:
+                            continue
+                        attrs = {k: v for k, v in headers.items() if k.startswith("ext_ml_")}
+                        req = normalize(attrs).requirements
+                        workers, free = live_fleet(plugin)
+                        consuming = _consumers(plugin, logical)
+                        mine = {n: w for n, w in workers.items() if consuming.get(n, True)}
+                        return {
+                            "task_id": task_id,
+                            "state": "queued",
+                            "queue": queue,
+                            "logical_queue": logical,
+                            "band": band,
+                            "class_id": cid,
+                            "ahead": len(items) - 1 - index,
+                            "workers": [
+                                {"worker": n, **r.as_dict()} for n, r in rank(req, mine, free)
+                            ],
+                            "not_consuming": sorted(n for n in workers if n not in mine),
+                        }
+    return None
+
+
+def _consumers(plugin: OJSML, logical: str) -> dict[str, bool]:
+    """Live worker -> whether it consumes `logical` (True when it does not advertise queues)."""
+    out: dict[str, bool] = {}
+    for name, entry in plugin.store.live_workers().items():
+        queues = (entry.get("info") or {}).get("queues")
+        out[name] = queues is None or logical in queues
+    return out
+
+
 def render_location(found: dict[str, Any], now: float) -> str:
     """One line (two for waiting jobs) saying where a task is and why."""
     tid, state = found["task_id"], found["state"]
@@ -141,10 +207,40 @@ def render_location(found: dict[str, Any], now: float) -> str:
         return f"{tid} runs on {found['worker']} with GPU(s) {gpus} (band {found.get('band')})"
     if state == "held":
         return f"{tid} is held on {found['worker']} (band {found.get('band')}): {found['reason']}"
+    if state == "queued":
+        return _render_queued(found)
+    where = found.get("note") or "nor is it in a requirement-class queue"
     return (
-        f"{tid} is unknown: no pending record, and no answering ojs-ml worker runs or holds it "
-        "(it may have finished, never been published, or still sit in a queue)"
+        f"{tid} is unknown: no pending record, and no answering ojs-ml worker runs or holds it, "
+        f"{where} (it may have finished, or never been published)"
     )
+
+
+def _render_queued(found: dict[str, Any]) -> str:
+    lines = [
+        f"{found['task_id']} is queued in {found['queue']} (band {found['band']}), "
+        f"{found['ahead']} message(s) ahead of it"
+    ]
+    rows = found["workers"]
+    fits = [r["worker"] for r in rows if r["verdict"] == "FITS"]
+    eligible = [r for r in rows if r["verdict"] != "NEVER"]
+    if fits:
+        lines.append(f"    {', '.join(fits)} can start it now; it should start within seconds")
+    elif eligible:
+        busy = "; ".join(
+            f"{r['worker']}: " + "; ".join(x["message"] for x in r["reasons"]) for r in eligible
+        )
+        lines.append(f"    it waits for capacity on an eligible worker: {busy}")
+    else:
+        lines.append(
+            f"    no live worker that consumes {found['logical_queue']!r} can run it "
+            "(see `explain FILE` for each worker's reasons)"
+        )
+    if found["not_consuming"]:
+        lines.append(
+            f"    not consuming {found['logical_queue']!r}: {', '.join(found['not_consuming'])}"
+        )
+    return "\n".join(lines)
 
 
 # -- rendering ------------------------------------------------------------------------------

@@ -155,6 +155,13 @@ def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) ->
     except Exception as exc:
         raise _fail("cannot reach the broker", exc) from None
     found = fleet_view.locate(task_id, report)
+    if found["state"] == "unknown":
+        try:
+            found = fleet_view.find_queued(plugin, task_id) or found
+        except LookupError as exc:  # RabbitMQ: queued messages cannot be listed
+            found["note"] = f"queued messages were not searched: {exc}"
+        except Exception as exc:
+            raise _fail("cannot search the class queues", exc) from None
     click.echo(_dump(found) if as_json else fleet_view.render_location(found, report["time"]))
     sys.exit(EXIT_INVALID if found["state"] == "unknown" else EXIT_OK)
 

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
-from celery_ojs_ml.spec.classes import band, class_id, hard_constraints, has_hard_constraints
+from celery_ojs_ml.spec.classes import (
+    BANDS,
+    band,
+    class_id,
+    hard_constraints,
+    has_hard_constraints,
+)
 from celery_ojs_ml.spec.envelope import requirements_of
 from celery_ojs_ml.spec.resources import MLRequirements
 
@@ -38,6 +44,17 @@ def ml_queue(name: str, *, declare: bool = True) -> Queue:
     """
     exchange = Exchange(name, type="direct")  # type: ignore[no-untyped-call]
     return Queue(name, exchange, routing_key=name, no_declare=not declare)  # type: ignore[no-untyped-call]
+
+
+def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The (logical queue, band) pairs of a class registry entry (`OJSStore.classes`).
+
+    A logical queue registered without bands (by an older producer) counts in every band.
+    """
+    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
+    known = {q for q, _ in routes}
+    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
+    return routes
 
 
 def queue_name(logical: str, cid: str, band_name: str) -> str:

@@ -37,7 +37,13 @@ from celery_ojs_ml.integration import child
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
-from celery_ojs_ml.integration.routing import HEADER_CLASS, HEADER_PENDING, ml_queue, queue_name
+from celery_ojs_ml.integration.routing import (
+    HEADER_CLASS,
+    HEADER_PENDING,
+    class_routes,
+    ml_queue,
+    queue_name,
+)
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.spec.classes import BANDS
@@ -142,14 +148,6 @@ def _child_prerun(**_: Any) -> None:
     from celery_ojs_ml.checkpoint import reset_flag
 
     reset_flag()
-
-
-def _routes(entry: dict[str, Any]) -> list[tuple[str, str]]:
-    """The (logical queue, band) pairs of a registry entry; every band where none are known."""
-    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
-    known = {q for q, _ in routes}
-    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
-    return routes
 
 
 def _requirements(headers: dict[str, Any]) -> MLRequirements | None:
@@ -340,7 +338,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             version = self.store.classes_version()
             if version != self.version:
                 classes = {
-                    cid: (normalize(entry["constraints"]).requirements, _routes(entry))
+                    cid: (normalize(entry["constraints"]).requirements, class_routes(entry))
                     for cid, entry in self.store.classes().items()
                 }
                 with self.lock:
