@@ -244,7 +244,28 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             # Children are recycled after every GPU task; billiard replaces them on its
             # own 5 s timer when an exit is missed, so look more often (cheap when idle).
             self._timers.append(c.timer.call_repeatedly(0.2, maintain))
+        self._check_concurrency(getattr(c.pool, "limit", None))
         log.info("ojs-ml: %s", self.banner())
+
+    def _check_concurrency(self, limit: Any) -> None:
+        """Warn when the pool has fewer processes than the worker has GPUs.
+
+        The gate hands out every free GPU, but a job only runs when a pool
+        process is free: with `-c 2` on an 8-GPU worker, six jobs would hold
+        GPUs while they wait for a process, and other workers could not take
+        them.
+        """
+        gpus = self.caps.gpu_count
+        if gpus and isinstance(limit, int) and 0 < limit < gpus:
+            log.warning(
+                "ojs-ml: this worker has %d GPUs but %d pool processes; jobs beyond %d hold "
+                "GPUs while they wait for a process. Start it with -c %d (or more) to run a "
+                "job on every GPU",
+                gpus,
+                limit,
+                limit,
+                gpus,
+            )
 
     @staticmethod
     def _deferrer(c: Any) -> Any:

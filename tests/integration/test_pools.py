@@ -68,3 +68,17 @@ def test_a_bad_setting_fails_at_start_with_the_valid_values() -> None:
         read_settings({"ojs_ml_max_hold": 3})
     with pytest.raises(ConfigError, match="max_hold_s"):
         read_settings({"ojs_ml_max_hold_s": -1})
+
+
+def test_a_gpu_worker_with_fewer_processes_than_gpus_says_so_at_start(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Jobs beyond the pool size would hold GPUs while they wait for a process."""
+    store = OJSStore(redis_client, prefix="ojs")
+    few = WorkerProcess("few", redis_url, "profile:nvidia-a100x8", tmp_path, concurrency=2)
+    enough = WorkerProcess("enough", redis_url, "profile:nvidia-l4x1", tmp_path, concurrency=1)
+    with running([few, enough], store):
+        pass
+    assert "this worker has 8 GPUs but 2 pool processes" in few.output()
+    assert "Start it with -c 8" in few.output()
+    assert "pool processes" not in enough.output()
