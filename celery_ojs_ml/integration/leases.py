@@ -152,25 +152,34 @@ class LeaseBook:
         values = self._r.mget([self._key(i) for i in ids])
         return [json.loads(v) for v in values if v]
 
-    def refresh(self, tokens: dict[str, str]) -> list[str]:
-        """Push the deadlines of our leases; returns the task ids whose lease is no longer ours."""
+    def refresh(self, tokens: dict[str, str]) -> tuple[list[str], list[str]]:
+        """Push the deadlines of our leases.
+
+        Returns `(taken_over, missing)`: the task ids whose lease now carries
+        another token (a claimer took the job over) and those with no lease at
+        all (lost with the store, or released by the copy that took over).
+        """
         if not tokens:
-            return []
+            return [], []
         ids = list(tokens)
         values = self._r.mget([self._key(i) for i in ids])
-        lost: list[str] = []
+        taken: list[str] = []
+        missing: list[str] = []
         deadline = self._now() + self.ttl_s
         with self._r.pipeline(transaction=False) as pipe:
             for task_id, raw in zip(ids, values, strict=True):
                 lease = json.loads(raw) if raw else None
-                if lease is None or lease.get("token") != tokens[task_id]:
-                    lost.append(task_id)
+                if lease is None:
+                    missing.append(task_id)
+                    continue
+                if lease.get("token") != tokens[task_id]:
+                    taken.append(task_id)
                     continue
                 lease["deadline"] = deadline
                 pipe.set(self._key(task_id), json.dumps(lease))
                 pipe.zadd(self._index, {task_id: deadline})
             pipe.execute()
-        return lost
+        return taken, missing
 
     def release(self, task_id: str, token: str) -> bool:
         """Delete a lease if it is still the one with `token`."""

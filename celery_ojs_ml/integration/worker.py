@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -195,6 +196,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.lock = threading.RLock()
         self.incarnation = uuid.uuid4().hex
         self.tokens: dict[Any, str] = {}
+        self.fenced: set[Any] = set()
+        """Requests whose lease another worker took over; their copy is being stopped."""
         self.unacked: dict[Any, bool] = {}
         """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []
@@ -534,6 +537,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Free a finished job's allocation, then start held jobs that now fit."""
         self.preemptions.finished(req)
         with self.lock:
+            self.fenced.discard(req)
             if self.allocator.free(req) is None:
                 return
             token = self.tokens.pop(req, None)
@@ -643,16 +647,72 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             with self.lock:
                 self.writer.flush(wait=True)  # queued takes first, or they would look lost
-                mine = {req.id: token for req, token in self.tokens.items()}
-            lost = self.leases.refresh(mine)
-            if lost:
-                log.warning("ojs-ml: leases of %s were taken over by another worker", lost)
+                mine = {
+                    req.id: token for req, token in self.tokens.items() if req not in self.unacked
+                }
+            taken, missing = self.leases.refresh(mine)
+            if missing:
+                self._lease_missing(set(missing))
+            if taken:
+                self.fence(set(taken))
             for task_id in self.leases.expired():
                 lease = self.leases.claim(task_id, self.hostname, self.incarnation)
                 if lease is not None:
                     self.recover(lease, f"its worker {lease.get('worker')} stopped heartbeating")
         except Exception as exc:
             log.warning("ojs-ml: lease upkeep failed: %s", exc)
+
+    def fence(self, task_ids: set[str]) -> None:
+        """Stop our copies of jobs whose lease another worker took over (invariant 5).
+
+        A claimer only takes a lease that expired, so this worker stalled for
+        longer than `ojs_ml_lease_ttl_s` (a frozen process, a partition from
+        the store) and the job was re-published elsewhere. Our copy's child is
+        killed at once; the failure path then ends it quietly (no result, no
+        event, no re-publish, see `_failing`) and frees its devices. The copy
+        that took over is the one that counts.
+        """
+        with self.lock:
+            found = [req for req in self.tokens if req.id in task_ids and req not in self.fenced]
+            for req in found:
+                self.fenced.add(req)
+                self.tokens.pop(req, None)  # no longer ours to refresh or release
+                pid = getattr(req, "worker_pid", None)
+                log.warning(
+                    "ojs-ml: the lease of %s[%s] was taken over by another worker (this one "
+                    "stalled longer than ojs_ml_lease_ttl_s); stopping this copy (pid %s)",
+                    req.name,
+                    req.id,
+                    pid,
+                )
+                if not self.prefork or not pid or pid == os.getpid():
+                    log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
+                    continue
+                terminate = getattr(self.c.pool, "terminate_job", None)
+                if terminate is not None:
+                    terminate(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+
+    def _lease_missing(self, task_ids: set[str]) -> None:
+        """Our lease is gone (store restarted empty, or the job finished elsewhere)."""
+        with self.lock:
+            found = [(req, tok) for req, tok in self.tokens.items() if req.id in task_ids]
+        for req, token in found:
+            if self._already_finished(req.id):
+                self.fence({req.id})
+                continue
+            alloc = next((a for a in self.allocator.allocations() if a.key is req), None)
+            if alloc is None:
+                continue
+            record = self._job_record(req, alloc, self.store._clock())
+            try:
+                self.leases.write_batch([self.leases.new_lease(record, token)[1]], [])
+                log.warning(
+                    "ojs-ml: the lease of %s had vanished from the store; rewritten", req.id
+                )
+            except Exception as exc:
+                log.warning("ojs-ml: could not rewrite the lease of %s: %s", req.id, exc)
 
     def recover_own(self) -> None:
         """On start, take back the jobs a previous incarnation of this worker was running."""
@@ -708,6 +768,11 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Failure path: re-publish a preempted job; dead-letter a checkpointed one (§14.2)."""
 
         def wrapped(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            if req in self.fenced:  # killed by `fence`: the copy that took over counts
+                self.fenced.discard(req)
+                worker_state.task_ready(req)
+                log.warning("ojs-ml: stopped this copy of %s; it runs elsewhere", req.id)
+                return None
             exc = getattr(exc_info, "exception", None)
             exc = getattr(exc, "exc", exc)
             if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
