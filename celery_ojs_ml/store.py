@@ -84,6 +84,10 @@ class OJSStore:
         """The full key for `parts`, under the prefix and the `{ml}` hash tag."""
         return ":".join((self._base, *parts))
 
+    def lease_key(self, task_id: str) -> str:
+        """The key of a running job's lease (integration.leases, checked by checkpoint commits)."""
+        return self.key("lease", task_id)
+
     def close(self) -> None:
         """Release the client's connections."""
         self._r.close()

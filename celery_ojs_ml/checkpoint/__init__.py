@@ -30,6 +30,7 @@ from typing import Any
 from celery_ojs_ml.checkpoint.helper import Checkpointer
 from celery_ojs_ml.checkpoint.model import CheckpointError, CheckpointMeta, CheckpointSettings
 from celery_ojs_ml.checkpoint.preempt import (
+    LeaseLost,
     Preempted,
     clear_preemption,
     flag_set,
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointSettings",
     "CheckpointWriter",
     "Checkpointer",
+    "LeaseLost",
     "Preempted",
     "checkpoint",
     "clear_preemption",

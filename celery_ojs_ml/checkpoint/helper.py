@@ -37,6 +37,7 @@ from celery_ojs_ml.checkpoint.model import (
     parse_meta,
     utc_timestamp,
 )
+from celery_ojs_ml.checkpoint.preempt import LeaseLost
 from celery_ojs_ml.checkpoint.writer import CheckpointWriter
 from celery_ojs_ml.spec import uris
 from celery_ojs_ml.store import OJSStore
@@ -63,8 +64,10 @@ class Checkpointer:
         header_last: Any = None,
         resume_from: str | None = None,
         app_conf: Mapping[str, Any] | None = None,
+        lease_token: str | None = None,
     ) -> None:
         storage.job_segment(job_id)
+        self._lease_token = lease_token
         self.job_id = job_id
         self.settings = settings
         self.store = store
@@ -267,7 +270,18 @@ class Checkpointer:
             self._abandon(w)
             raise
         try:
-            committed = records.commit(self.store, meta, self.settings.max_count)
+            committed = records.commit(
+                self.store, meta, self.settings.max_count, lease_token=self._lease_token
+            )
+        except LeaseLost:
+            log.warning(
+                "ojs-ml: %s was taken over by another worker; checkpoint %s is dropped and "
+                "this copy stops",
+                self.job_id,
+                meta.sequence,
+            )
+            self._abandon(w)
+            raise
         except redis.RedisError as exc:
             # The server may have applied the commit before the reply was lost, so the
             # payload is kept: uncommitted it is invisible, committed it is needed.

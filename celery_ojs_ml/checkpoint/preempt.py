@@ -120,3 +120,24 @@ class Preempted(Ignore):  # type: ignore[misc]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.task_id, self.epoch, self.sequence))
+
+
+class LeaseLost(Ignore):  # type: ignore[misc]
+    """Another worker took this job over; this copy must stop (DESIGN invariant 5).
+
+    Raised by a checkpoint commit that finds the job's lease held under
+    another token: the worker running this copy stalled past the lease TTL
+    and the job was re-published. Like `Preempted` it is a Celery `Ignore`,
+    so this copy ends without storing a result; its commit did not happen.
+    """
+
+    def __init__(self, task_id: str, sequence: int | None = None) -> None:
+        self.task_id = task_id
+        self.sequence = sequence
+        super().__init__(
+            f"{task_id}: another worker took this job over; checkpoint {sequence} was not "
+            "committed and this copy stops"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task_id, self.sequence))

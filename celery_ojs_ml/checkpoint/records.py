@@ -27,10 +27,14 @@ Layout (prefix `ojs`, job id `<job>`):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from celery_ojs_ml.checkpoint.model import CheckpointMeta
+from celery_ojs_ml.checkpoint.preempt import LeaseLost
 from celery_ojs_ml.store import OJSStore
 
 
@@ -73,21 +77,50 @@ class Committed:
     """A sequence number allocated in the same round trip, for the job's next save."""
 
 
-def commit(store: OJSStore, meta: CheckpointMeta, max_count: int) -> Committed:
-    """Record `meta` as the job's last checkpoint and retire what exceeds `max_count`."""
+def commit(
+    store: OJSStore, meta: CheckpointMeta, max_count: int, lease_token: str | None = None
+) -> Committed:
+    """Record `meta` as the job's last checkpoint and retire what exceeds `max_count`.
+
+    With `lease_token` (the token of the lease this copy of the job runs
+    under), the commit is fenced: it happens only if the job's lease is absent
+    (not written yet) or still carries that token, checked and applied in one
+    WATCH/MULTI. Otherwise another worker took the job over and `LeaseLost`
+    is raised; nothing is committed.
+    """
     keys = Keys.of(store, meta.job_id)
     record = meta.to_json()
+    lease = store.lease_key(meta.job_id)
     with store.client.pipeline(transaction=True) as pipe:
-        pipe.set(keys.last, record)
-        pipe.rpush(keys.history, record)
-        pipe.lrange(keys.history, 0, -(max_count + 1))
-        pipe.ltrim(keys.history, -max_count, -1)
-        pipe.llen(keys.expired)
-        pipe.incr(keys.seq)
-        _, _, evicted, _, queued, next_sequence = pipe.execute()
+        while True:
+            try:
+                if lease_token is not None:
+                    pipe.watch(lease)  # type: ignore[no-untyped-call]
+                    raw = pipe.get(lease)
+                    if raw and _token(raw) != lease_token:
+                        pipe.reset()
+                        raise LeaseLost(meta.job_id, meta.sequence)
+                    pipe.multi()
+                pipe.set(keys.last, record)
+                pipe.rpush(keys.history, record)
+                pipe.lrange(keys.history, 0, -(max_count + 1))
+                pipe.ltrim(keys.history, -max_count, -1)
+                pipe.llen(keys.expired)
+                pipe.incr(keys.seq)
+                _, _, evicted, _, queued, next_sequence = pipe.execute()
+                break
+            except redis.WatchError:
+                continue  # the lease was refreshed meanwhile: look again
     if evicted:
         queued = store.client.rpush(keys.expired, *evicted)
     return Committed(int(queued), int(next_sequence))
+
+
+def _token(raw: Any) -> Any:
+    try:
+        return json.loads(raw).get("token")
+    except (ValueError, AttributeError):
+        return None
 
 
 def last_checkpoint(store: OJSStore, job_id: str) -> CheckpointMeta | None:

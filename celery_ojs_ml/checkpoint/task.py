@@ -24,6 +24,8 @@ from celery_ojs_ml.store import OJSStore
 
 HEADER_LAST = "ojs_last_checkpoint"
 """Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""
+HEADER_LEASE = "ojs_lease"
+"""Set by the worker's gate: the token of the lease this run holds (fences its commits)."""
 RESUME_FROM = "ext_mlx_training_resume_from"
 """OJS ML Extensions §5.1: a checkpoint URI to resume training from."""
 
@@ -53,6 +55,7 @@ def checkpoint(task: Any) -> Checkpointer:
         header_last=_header(request, HEADER_LAST),
         resume_from=attrs.get(RESUME_FROM),
         app_conf=conf,
+        lease_token=_header(request, HEADER_LEASE),
     )
 
 

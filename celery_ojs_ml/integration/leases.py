@@ -115,7 +115,7 @@ class LeaseBook:
             return None
 
     def _key(self, task_id: str) -> str:
-        return self.store.key("lease", task_id)
+        return self.store.lease_key(task_id)
 
     def _now(self) -> float:
         return float(self.store._clock())
@@ -608,5 +608,5 @@ def republish_headers(
 
 
 _TRANSIENT = frozenset(
-    {"ojs_devices", "ojs_node", "ojs_pin", "ojs_pending", "ojs_class", "ojs_band"}
+    {"ojs_devices", "ojs_node", "ojs_pin", "ojs_pending", "ojs_class", "ojs_band", "ojs_lease"}
 )

@@ -620,11 +620,12 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """
         started_at = self.store._clock()
         req.acknowledged = True  # Celery must not ack before the lease is written
-        self.tokens[req] = self.writer.take(
+        token = self.tokens[req] = self.writer.take(
             req.id,
             lambda: self._job_record(req, alloc, started_at),
             lambda ok: self._lease_written(req, ok),
         )
+        req.request_dict["ojs_lease"] = token  # the child's checkpoint commits check it
 
     def _lease_written(self, req: Any, ok: bool) -> None:
         """The lease of `req` exists (or it ended first): ack; else the message holds it."""

@@ -220,3 +220,24 @@ def test_saving_without_a_storage_uri_says_which_attribute_to_set(store: OJSStor
         '(OJS ML §9.1); set it, e.g. ml={"ext_ml_checkpoint_storage_uri": '
         '"s3://bucket/checkpoints/"}'
     )
+
+
+def test_a_commit_is_fenced_by_the_lease_token_of_its_run(
+    backend: Backend, store: OJSStore
+) -> None:
+    """DESIGN invariant 5: once another worker holds the lease, this run commits nothing."""
+    from celery_ojs_ml.checkpoint import LeaseLost
+
+    lease = store.lease_key(JOB)
+    settings = backend.settings()
+    mine = Checkpointer(JOB, settings, store, lease_token="t-mine")
+    first = mine.save(epoch=0, files={"a": b"0"})  # no lease yet (written later): allowed
+    store.client.set(lease, json.dumps({"task_id": JOB, "token": "t-mine"}))
+    second = mine.save(epoch=1, files={"a": b"1"})  # our own lease: allowed
+    store.client.set(lease, json.dumps({"task_id": JOB, "token": "t-claimer"}))
+    with pytest.raises(LeaseLost):
+        mine.save(epoch=2, files={"a": b"2"})
+    assert last_checkpoint(store, JOB) == second
+    assert [c.sequence for c in list_checkpoints(store, JOB)] == [first.sequence, second.sequence]
+    unfenced = Checkpointer(JOB, settings, store)  # no token (e.g. eager apply): not fenced
+    assert unfenced.save(epoch=3, files={"a": b"3"}).epoch == 3

@@ -1,11 +1,15 @@
 """Fencing (DESIGN invariant 5): a stalled worker whose lease was taken over stops its copy.
 
-Worker `stall` runs a checkpointed job; its main process is frozen (SIGSTOP)
-while its pool child keeps training, as in a partition from the store. After
+Worker `stall` runs a job; its main process is frozen (SIGSTOP) while its pool
+child keeps running, as in a partition from the store. After
 `ojs_ml_lease_ttl_s` (2 s here) worker `taker` claims the lease and runs the
-job from its last checkpoint. When `stall` wakes up, its next lease heartbeat
-sees another token on the lease and kills its own child: the job completes
-once, on `taker`, and the stalled copy records no completion.
+job again. Two mechanisms stop the stalled copy:
+* its checkpoint commits are fenced by its lease token: the first commit after
+  the takeover is refused and the copy ends itself (`LeaseLost`), even while
+  its main process is still frozen;
+* a job that commits nothing is killed by the stalled worker's own lease
+  heartbeat once its main process wakes up.
+Either way the job completes once, on `taker`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import redis
 
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.store import OJSStore
-from tests.integration.mlapp import make_app
+from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -47,14 +51,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_stalled_worker_whose_lease_was_taken_over_kills_its_copy(
+def _workers(redis_url: str, tmp_path: Path) -> tuple[WorkerProcess, WorkerProcess]:
+    env = {"OJS_TEST_LEASE_TTL": "2", "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
+    return (
+        WorkerProcess("stall", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env),
+        WorkerProcess("taker", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env),
+    )
+
+
+def _resume(worker: WorkerProcess) -> None:
+    if worker.proc is not None and worker.proc.poll() is None:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+
+
+def test_a_stalled_copy_cannot_commit_a_checkpoint_after_the_takeover_and_stops(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     store = OJSStore(redis_client, prefix="ojs")
     leases = LeaseBook(store, ttl_s=2)
-    env = {"OJS_TEST_LEASE_TTL": "2", "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
-    stall = WorkerProcess("stall", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env)
-    taker = WorkerProcess("taker", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env)
+    stall, taker = _workers(redis_url, tmp_path)
     app = make_app(redis_url)
     runs_key = ""
 
@@ -63,7 +78,7 @@ def test_a_stalled_worker_whose_lease_was_taken_over_kills_its_copy(
 
     try:
         stall.start().wait_live(store)
-        job = app.tasks["ml.ckpt_train"].apply_async(args=[40, 0.25])
+        job = app.tasks["ml.ckpt_train"].apply_async(args=[24, 0.25])
         runs_key = f"ojs-test:runs:{job.id}"
         _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
         _until(lambda: runs() and runs()[0].get("epoch", -1) >= 1, 30, "two epochs on stall")
@@ -71,26 +86,50 @@ def test_a_stalled_worker_whose_lease_was_taken_over_kills_its_copy(
         os.kill(stall.proc.pid, signal.SIGSTOP)  # the main process stalls; its child trains on
         taker.start().wait_live(store)
         _until(lambda: len(runs()) >= 2, 60, "the taker's run of the re-published job")
-        first = runs()[0]
-        assert first["worker"] == "stall@test" and _alive(first["pid"])
-        os.kill(stall.proc.pid, signal.SIGCONT)
-        _until(lambda: "was taken over by another worker" in stall.output(), 20, "the fence")
-        _until(lambda: not _alive(first["pid"]), 20, "the stalled copy's child to die")
+        _until(lambda: "is dropped and this copy stops" in stall.output(), 20, "the refused commit")
+        stopped_at = runs()[0].get("epoch")
         _until(lambda: redis_client.get(f"ojs-test:done:{job.id}"), 60, "the job to complete")
-        time.sleep(1.0)  # a late completion of the stalled copy would show up here
+        assert runs()[0].get("epoch") == stopped_at, "the stalled copy trained no further"
     finally:
-        if stall.proc is not None and stall.proc.poll() is None:
-            os.kill(stall.proc.pid, signal.SIGCONT)
+        _resume(stall)
         stall.stop()
         taker.stop()
         app.close()
     final = runs()
     assert int(redis_client.get(f"ojs-test:done:{job.id}") or 0) == 1, final
-    assert not final[0].get("done"), "the stalled copy was stopped before it finished"
+    assert not final[0].get("done"), "the stalled copy stopped before it finished"
     assert final[-1]["worker"] == "taker@test" and final[-1].get("done"), final
     assert final[-1]["crashes"] >= 1 and final[-1]["start_epoch"] >= 1, final
-    assert "stopped this copy of" in stall.output()
     assert leases.get(job.id) is None, "the finished job's lease was released"
+
+
+def test_a_stalled_worker_kills_a_copy_that_commits_nothing_at_its_next_heartbeat(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = OJSStore(redis_client, prefix="ojs")
+    leases = LeaseBook(store, ttl_s=2)
+    stall, taker = _workers(redis_url, tmp_path)
+    app = make_app(redis_url)
+    try:
+        stall.start().wait_live(store)
+        job = app.tasks["ml.record"].apply_async(args=["fenced", 20.0])
+        _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
+        assert stall.proc is not None
+        os.kill(stall.proc.pid, signal.SIGSTOP)
+        taker.start().wait_live(store)
+        _until(lambda: (leases.get(job.id) or {}).get("worker") == "taker@test", 60, "takeover")
+        os.kill(stall.proc.pid, signal.SIGCONT)
+        _until(lambda: "stopped this copy of" in stall.output(), 20, "the fence")
+        _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 60, "the taker's copy to finish")
+        time.sleep(1.0)  # a late completion of the stalled copy would show up here
+    finally:
+        _resume(stall)
+        stall.stop()
+        taker.stop()
+        app.close()
+    records = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
+    assert [(r["task_id"], r["worker"]) for r in records] == [(job.id, "taker@test")]
+    assert "was taken over by another worker" in stall.output()
 
 
 def test_a_lease_that_vanished_from_the_store_is_written_again_not_fenced(
