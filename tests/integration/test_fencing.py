@@ -18,12 +18,14 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.store import OJSStore
@@ -43,58 +45,58 @@ def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+@dataclass
+class Pair:
+    """A worker about to stall, a worker to take over, and the app and store they share."""
+
+    store: OJSStore
+    leases: LeaseBook
+    stall: WorkerProcess
+    taker: WorkerProcess
+    app: Celery
 
 
-def _workers(redis_url: str, tmp_path: Path) -> tuple[WorkerProcess, WorkerProcess]:
+@pytest.fixture
+def pair(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Pair]:
+    store = OJSStore(redis_client, prefix="ojs")
     env = {"OJS_TEST_LEASE_TTL": "2", "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
-    return (
-        WorkerProcess("stall", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env),
-        WorkerProcess("taker", redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env),
-    )
-
-
-def _resume(worker: WorkerProcess) -> None:
-    if worker.proc is not None and worker.proc.poll() is None:
-        os.kill(worker.proc.pid, signal.SIGCONT)
+    workers = [
+        WorkerProcess(name, redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env)
+        for name in ("stall", "taker")
+    ]
+    found = Pair(store, LeaseBook(store, ttl_s=2), *workers, make_app(redis_url))
+    try:
+        found.stall.start().wait_live(store)
+        yield found
+    finally:
+        stall = found.stall.proc
+        if stall is not None and stall.poll() is None:
+            os.kill(stall.pid, signal.SIGCONT)  # a frozen worker cannot stop
+        for worker in workers:
+            worker.stop()
+        found.app.close()
 
 
 def test_a_stalled_copy_cannot_commit_a_checkpoint_after_the_takeover_and_stops(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    pair: Pair, redis_client: redis.Redis
 ) -> None:
-    store = OJSStore(redis_client, prefix="ojs")
-    leases = LeaseBook(store, ttl_s=2)
-    stall, taker = _workers(redis_url, tmp_path)
-    app = make_app(redis_url)
-    runs_key = ""
+    leases, stall = pair.leases, pair.stall
+    job = pair.app.tasks["ml.ckpt_train"].apply_async(args=[24, 0.25])
+    runs_key = f"ojs-test:runs:{job.id}"
 
     def runs() -> list[dict[str, Any]]:
         return [json.loads(r) for r in redis_client.lrange(runs_key, 0, -1)]
 
-    try:
-        stall.start().wait_live(store)
-        job = app.tasks["ml.ckpt_train"].apply_async(args=[24, 0.25])
-        runs_key = f"ojs-test:runs:{job.id}"
-        _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
-        _until(lambda: runs() and runs()[0].get("epoch", -1) >= 1, 30, "two epochs on stall")
-        assert stall.proc is not None
-        os.kill(stall.proc.pid, signal.SIGSTOP)  # the main process stalls; its child trains on
-        taker.start().wait_live(store)
-        _until(lambda: len(runs()) >= 2, 60, "the taker's run of the re-published job")
-        _until(lambda: "is dropped and this copy stops" in stall.output(), 20, "the refused commit")
-        stopped_at = runs()[0].get("epoch")
-        _until(lambda: redis_client.get(f"ojs-test:done:{job.id}"), 60, "the job to complete")
-        assert runs()[0].get("epoch") == stopped_at, "the stalled copy trained no further"
-    finally:
-        _resume(stall)
-        stall.stop()
-        taker.stop()
-        app.close()
+    _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
+    _until(lambda: runs() and runs()[0].get("epoch", -1) >= 1, 30, "two epochs on stall")
+    assert stall.proc is not None
+    os.kill(stall.proc.pid, signal.SIGSTOP)  # the main process stalls; its child trains on
+    pair.taker.start().wait_live(pair.store)
+    _until(lambda: len(runs()) >= 2, 60, "the taker's run of the re-published job")
+    _until(lambda: "is dropped and this copy stops" in stall.output(), 20, "the refused commit")
+    stopped_at = runs()[0].get("epoch")
+    _until(lambda: redis_client.get(f"ojs-test:done:{job.id}"), 60, "the job to complete")
+    assert runs()[0].get("epoch") == stopped_at, "the stalled copy trained no further"
     final = runs()
     assert int(redis_client.get(f"ojs-test:done:{job.id}") or 0) == 1, final
     assert not final[0].get("done"), "the stalled copy stopped before it finished"
@@ -104,29 +106,19 @@ def test_a_stalled_copy_cannot_commit_a_checkpoint_after_the_takeover_and_stops(
 
 
 def test_a_stalled_worker_kills_a_copy_that_commits_nothing_at_its_next_heartbeat(
-    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+    pair: Pair, redis_client: redis.Redis
 ) -> None:
-    store = OJSStore(redis_client, prefix="ojs")
-    leases = LeaseBook(store, ttl_s=2)
-    stall, taker = _workers(redis_url, tmp_path)
-    app = make_app(redis_url)
-    try:
-        stall.start().wait_live(store)
-        job = app.tasks["ml.record"].apply_async(args=["fenced", 20.0])
-        _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
-        assert stall.proc is not None
-        os.kill(stall.proc.pid, signal.SIGSTOP)
-        taker.start().wait_live(store)
-        _until(lambda: (leases.get(job.id) or {}).get("worker") == "taker@test", 60, "takeover")
-        os.kill(stall.proc.pid, signal.SIGCONT)
-        _until(lambda: "stopped this copy of" in stall.output(), 20, "the fence")
-        _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 60, "the taker's copy to finish")
-        time.sleep(1.0)  # a late completion of the stalled copy would show up here
-    finally:
-        _resume(stall)
-        stall.stop()
-        taker.stop()
-        app.close()
+    leases, stall = pair.leases, pair.stall
+    job = pair.app.tasks["ml.record"].apply_async(args=["fenced", 20.0])
+    _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
+    assert stall.proc is not None
+    os.kill(stall.proc.pid, signal.SIGSTOP)
+    pair.taker.start().wait_live(pair.store)
+    _until(lambda: (leases.get(job.id) or {}).get("worker") == "taker@test", 60, "takeover")
+    os.kill(stall.proc.pid, signal.SIGCONT)
+    _until(lambda: "stopped this copy of" in stall.output(), 20, "the fence")
+    _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 60, "the taker's copy to finish")
+    time.sleep(1.0)  # a late completion of the stalled copy would show up here
     records = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
     assert [(r["task_id"], r["worker"]) for r in records] == [(job.id, "taker@test")]
     assert "was taken over by another worker" in stall.output()
