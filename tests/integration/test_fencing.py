@@ -81,7 +81,9 @@ def test_a_stalled_copy_cannot_commit_a_checkpoint_after_the_takeover_and_stops(
     pair: Pair, redis_client: redis.Redis
 ) -> None:
     leases, stall = pair.leases, pair.stall
-    job = pair.app.tasks["ml.ckpt_train"].apply_async(args=[24, 0.25])
+    job = pair.app.tasks["ml.ckpt_train"].apply_async(
+        args=[60, 0.25]
+    )  # 15 s: outlasts the taker's start
     runs_key = f"ojs-test:runs:{job.id}"
 
     def runs() -> list[dict[str, Any]]:
