@@ -14,7 +14,9 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +118,10 @@ def _wait_done(client: redis.Redis, ids: list[str], logs: list[Path], timeout: f
     The Redis transport pops a message with BRPOP and only then records it as
     unacked (kombu's `QoS.append`); a worker killed in that instant (about a
     millisecond) loses the message before Celery or the plugin ever sees it,
-    as it would in plain Celery. Such a job is in no queue, not unacked, has
-    no lease, never ran and is named in no worker's log. Once every job still
-    missing has looked like that for `settle` seconds, waiting stops early.
+    as it would in plain Celery. That can hit a job's first message (the job
+    then never ran and no log names it) or a re-published one (see
+    `_nowhere`). Once every job still missing has looked like that for
+    `settle` seconds, waiting stops early.
     Any other missing job fails the test with the state it was found in.
     """
     settle = 15.0
@@ -156,5 +159,37 @@ def _state(client: redis.Redis, task_id: str, logs: list[Path]) -> dict[str, Any
 
 
 def _nowhere(client: redis.Redis, task_id: str, logs: list[Path]) -> bool:
+    """Whether the job's last publish was lost in kombu's BRPOP window (see `_wait_done`).
+
+    The job is in no queue, not unacked and has no lease, and either it never
+    ran and no worker ever named it, or its last copy was re-published (the
+    log's `re-publishing ...[id] ... (crash N)`) and then never received by any
+    worker: no run with crash N exists and no `[id] received` line follows.
+    """
     state = _state(client, task_id, logs)
-    return not any(state[k] for k in ("runs", "lease", "unacked", "queued", "logged"))
+    if any(state[k] for k in ("lease", "unacked", "queued")):
+        return False
+    runs = state["runs"]
+    if not runs:
+        return not state["logged"]
+    if any(r.get("done") for r in runs):
+        return False
+    lines = [line for log in logs for line in log.read_text(errors="replace").splitlines()]
+    republished = [
+        (_stamp(line), int(m.group(1)))
+        for line in lines
+        if (m := re.search(rf"re-publishing \S+\[{task_id}\]: .* \(crash (\d+)\)", line))
+    ]
+    if not republished or any(t is None for t, _ in republished):
+        return False
+    last_at, crash = max(republished)
+    received = [_stamp(line) for line in lines if f"[{task_id}] received" in line]
+    return max(r["crashes"] for r in runs) < crash and all(
+        t is not None and t < last_at for t in received
+    )
+
+
+def _stamp(line: str) -> datetime | None:
+    """The timestamp of a Celery log line, `[2026-11-21 23:20:01,123: ...`."""
+    m = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f") if m else None
