@@ -103,11 +103,17 @@ def _labels(caps_doc: dict[str, Any]) -> dict[str, str]:
 # -- explain: the live workers for matching, and where a task id is ------------------------
 
 
-def live_fleet(plugin: OJSML) -> tuple[dict[str, Capabilities], dict[str, FreeCapacity]]:
-    """The store's live workers (the router's own view) with their advertised free capacity."""
+def live_fleet(
+    plugin: OJSML, live: dict[str, dict[str, Any]] | None = None
+) -> tuple[dict[str, Capabilities], dict[str, FreeCapacity]]:
+    """The store's live workers (the router's own view) with their advertised free capacity.
+
+    `live` is `OJSStore.live_workers()` when the caller has already read it.
+    """
     fleet: dict[str, Capabilities] = {}
     free: dict[str, FreeCapacity] = {}
-    for name, entry in sorted(plugin.store.live_workers().items()):
+    live = plugin.store.live_workers() if live is None else live
+    for name, entry in sorted(live.items()):
         fleet[name] = parse_capabilities(entry["capabilities"], worker_id=name)
         counts = entry.get("free", {}).get("free", {})
         free[name] = FreeCapacity(
@@ -132,8 +138,6 @@ def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
     return {"task_id": task_id, "state": "unknown"}
 
 
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-"""kombu's Redis transport keeps priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
 _SCAN_LIMIT = 10_000
 """Messages read from the head of each class queue when looking for a task id."""
 
@@ -147,7 +151,7 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
     free capacity. Raises `LookupError` when the broker is not Redis (its
     queued messages cannot be listed).
     """
-    from celery_ojs_ml.integration.routing import class_routes, queue_name
+    from celery_ojs_ml.integration.routing import PRIORITY_SUFFIXES, class_routes, queue_name
     from celery_ojs_ml.matching import rank
     from celery_ojs_ml.spec.normalize import normalize
 
@@ -158,7 +162,7 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
         for cid, entry in plugin.store.classes().items():
             for logical, band in class_routes(entry):
                 queue = queue_name(logical, cid, band)
-                for key in (queue + suffix for suffix in _PRIORITY_SUFFIXES):
+                for key in (queue + suffix for suffix in PRIORITY_SUFFIXES):
                     items = client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes from the right
                     for index, raw in enumerate(items):
                         try:
@@ -169,9 +173,9 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
                             continue
                         attrs = {k: v for k, v in headers.items() if k.startswith("ext_ml_")}
                         req = normalize(attrs).requirements
-                        workers, free = live_fleet(plugin)
-                        consuming = _consumers(plugin, logical)
-                        mine = {n: w for n, w in workers.items() if consuming.get(n, True)}
+                        live = plugin.store.live_workers()
+                        workers, free = live_fleet(plugin, live)
+                        mine = {n: w for n, w in workers.items() if _consumes(live[n], logical)}
                         return {
                             "task_id": task_id,
                             "state": "queued",
@@ -188,13 +192,10 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
     return None
 
 
-def _consumers(plugin: OJSML, logical: str) -> dict[str, bool]:
-    """Live worker -> whether it consumes `logical` (True when it does not advertise queues)."""
-    out: dict[str, bool] = {}
-    for name, entry in plugin.store.live_workers().items():
-        queues = (entry.get("info") or {}).get("queues")
-        out[name] = queues is None or logical in queues
-    return out
+def _consumes(entry: dict[str, Any], logical: str) -> bool:
+    """Whether a live worker consumes `logical` (True when it does not advertise its queues)."""
+    queues = (entry.get("info") or {}).get("queues")
+    return queues is None or logical in queues
 
 
 def render_location(found: dict[str, Any], now: float) -> str:

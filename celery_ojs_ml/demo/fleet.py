@@ -36,14 +36,12 @@ from celery_ojs_ml.demo.jobs import EXAMPLES, FLEET, fleet_capabilities
 from celery_ojs_ml.demo.table import LivePrinter
 from celery_ojs_ml.demo.watch import WAITING, Row
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration.routing import queue_name
+from celery_ojs_ml.integration.routing import PRIORITY_SUFFIXES, queue_name
 from celery_ojs_ml.store import OJSStore
 
 APP_MODULE = "celery_ojs_ml.demo.app"
 CONCURRENCY = {"a100@demo": 4, "l4@demo": 2, "cpu@demo": 2}
 _STOP_GRACE_S = 15.0
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-"""kombu's Redis transport keeps priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
 
 
 def worker_argv(
@@ -166,7 +164,7 @@ def discard_waiting(store: OJSStore, rows: list[Row]) -> int:
 
 def _remove_message(client: Any, queue: str, task_id: str) -> int:
     removed = 0
-    for key in (queue + suffix for suffix in _PRIORITY_SUFFIXES):
+    for key in (queue + suffix for suffix in PRIORITY_SUFFIXES):
         for raw in client.lrange(key, 0, -1):
             try:
                 headers = json.loads(raw).get("headers") or {}

@@ -132,9 +132,12 @@ class LeaseBook:
         payload = json.dumps({**record, "token": token, "deadline": deadline})
         return token, (record["task_id"], payload, deadline)
 
-    def take(self, record: dict[str, Any]) -> str:
-        """Write (or overwrite) the lease of a job starting now; returns its token."""
-        token, lease = self.new_lease(record)
+    def take(self, record: dict[str, Any], token: str | None = None) -> str:
+        """Write (or overwrite) the lease of a job starting now; returns its token.
+
+        `token` keeps a lease's existing token (a lease written again after it vanished).
+        """
+        token, lease = self.new_lease(record, token)
         self.write_batch([lease], [])
         return token
 

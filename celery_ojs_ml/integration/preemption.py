@@ -103,19 +103,14 @@ class Preemptions:
         pid = getattr(req, "worker_pid", None)
         if req not in self.timers or not pid:
             return
-        if not self.gate.prefork or pid == os.getpid():
+        if self.gate.kill_child(pid):
             log.warning(
-                "ojs-ml: %s ignored preemption; a %s pool cannot stop one task",
-                req.id,
-                "non-prefork",
+                "ojs-ml: %s did not yield within its grace period; killed pid %s", req.id, pid
             )
-            return
-        log.warning("ojs-ml: %s did not yield within its grace period; killing pid %s", req.id, pid)
-        terminate = getattr(self.gate.c.pool, "terminate_job", None)
-        if terminate is not None:
-            terminate(pid, signal.SIGKILL)
         else:
-            os.kill(pid, signal.SIGKILL)
+            log.warning(
+                "ojs-ml: %s ignored preemption; a non-prefork pool cannot stop one task", req.id
+            )
 
     def finished(self, req: Any) -> None:
         """The victim ended (any way): disarm its timer."""

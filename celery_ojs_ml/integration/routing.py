@@ -46,6 +46,10 @@ def ml_queue(name: str, *, declare: bool = True) -> Queue:
     return Queue(name, exchange, routing_key=name, no_declare=not declare)  # type: ignore[no-untyped-call]
 
 
+PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+"""kombu's Redis transport keeps a queue's priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
+
+
 def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The (logical queue, band) pairs of a class registry entry (`OJSStore.classes`).
 

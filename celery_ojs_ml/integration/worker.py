@@ -686,14 +686,23 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     req.id,
                     pid,
                 )
-                if not self.prefork or not pid or pid == os.getpid():
+                if not self.kill_child(pid):
                     log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
-                    continue
-                terminate = getattr(self.c.pool, "terminate_job", None)
-                if terminate is not None:
-                    terminate(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
+
+    def kill_child(self, pid: int | None) -> bool:
+        """SIGKILL the pool child `pid` through the pool; False where one task cannot be stopped.
+
+        Only a prefork child can be stopped alone (other pools run tasks in
+        this process). Used by fencing and by preemption after the grace period.
+        """
+        if not self.prefork or not pid or pid == os.getpid():
+            return False
+        terminate = getattr(self.c.pool, "terminate_job", None)
+        if terminate is not None:
+            terminate(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return True
 
     def _lease_missing(self, task_ids: set[str]) -> None:
         """Our lease is gone (store restarted empty, or the job finished elsewhere)."""
@@ -708,7 +717,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 continue
             record = self._job_record(req, alloc, self.store._clock())
             try:
-                self.leases.write_batch([self.leases.new_lease(record, token)[1]], [])
+                self.leases.take(record, token)
                 log.warning(
                     "ojs-ml: the lease of %s had vanished from the store; rewritten", req.id
                 )
