@@ -52,6 +52,10 @@ class ConfigError(OJSMLError, ValueError):
     """An `ojs_ml_*` setting or a worker option has an invalid value."""
 
 
+class StoreUnavailable(OJSMLError):
+    """The plugin's Redis store did not answer; nothing was published."""
+
+
 class UnsatisfiableError(OJSMLError):
     """No live worker could ever run the job and the app denies such jobs (RFC 27 DENY)."""
 

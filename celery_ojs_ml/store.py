@@ -29,6 +29,7 @@ Layout (prefix `ojs`):
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +37,13 @@ from typing import Any
 import redis
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 _INDEX_GRACE_MS = 60_000
 _WATCH_RETRIES = 32
+_CONNECT_TIMEOUT_S = 5.0
+_SOCKET_TIMEOUT_S = 10.0
+"""A store that stops answering fails the call instead of hanging a producer or a timer."""
 
 
 def _dumps(value: Any) -> str:
@@ -68,7 +73,10 @@ class OJSStore:
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "ojs", clock: Clock = time.time) -> OJSStore:
         """A store on a new client for `url`, e.g. `redis://127.0.0.1:6379/0`."""
-        return cls(redis.Redis.from_url(url), prefix=prefix, clock=clock)
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=_CONNECT_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
+        )
+        return cls(client, prefix=prefix, clock=clock)
 
     @property
     def client(self) -> redis.Redis:
@@ -180,14 +188,17 @@ class OJSStore:
                 pipe.smembers(self.key("class", "routes", cid))
             members = pipe.execute()
         by_id = {_text(k): v for k, v in raw.items()}
-        return {
-            cid: {
-                "constraints": json.loads(by_id[cid]),
-                "queues": sorted(_text(q) for q in qs),
-                "routes": sorted(json.loads(_text(r)) for r in rs),
-            }
-            for cid, qs, rs in zip(ids, members[::2], members[1::2], strict=True)
-        }
+        found: dict[str, dict[str, Any]] = {}
+        for cid, qs, rs in zip(ids, members[::2], members[1::2], strict=True):
+            try:
+                found[cid] = {
+                    "constraints": json.loads(by_id[cid]),
+                    "queues": sorted(_text(q) for q in qs),
+                    "routes": sorted(json.loads(_text(r)) for r in rs),
+                }
+            except (ValueError, TypeError) as exc:  # one corrupt entry must not hide the rest
+                log.error("ojs-ml: skipping corrupt class registry entry %s: %s", cid, exc)
+        return found
 
     def classes_version(self) -> int:
         """The registry version; a cheap value for workers to poll."""

@@ -8,7 +8,7 @@ rules, `devices` the best-fit choice of GPU indices.
 from celery_ojs_ml.allocator.core import Allocator
 from celery_ojs_ml.allocator.devices import free_runs, pick_devices
 from celery_ojs_ml.allocator.model import Allocation, AllocatorError, Demand, Denied, Pending
-from celery_ojs_ml.allocator.policy import choose_victims, is_victim
+from celery_ojs_ml.allocator.policy import choose_victims, is_victim, with_preemption_limits
 
 __all__ = [
     "Allocation",
@@ -21,4 +21,5 @@ __all__ = [
     "free_runs",
     "is_victim",
     "pick_devices",
+    "with_preemption_limits",
 ]

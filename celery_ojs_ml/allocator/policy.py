@@ -11,6 +11,11 @@ Key decisions:
   started first (least work lost) until the request fits; then each victim, the
   least preferred first, is dropped again if the request fits without it, so the
   set is minimal (no victim can be spared).
+* **Who is never a victim.** Besides §8.2's own flag, a job whose
+  `ext_mlx_scheduling_preemption_policy` is `never` (OJS ML Extensions §7) and
+  one preempted `ojs_ml_max_preemptions` times already. Both are folded into
+  the requirements the job runs under (`with_preemption_limits`), so victim
+  choice and the capacity a higher band may preempt see one flag.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from collections.abc import Callable, Sequence
 from celery_ojs_ml.allocator.model import RESOURCE_NAMES, Allocation, Demand, Pending, rank
 from celery_ojs_ml.matching import Reason, Verdict
 from celery_ojs_ml.matching.filters import fmt
+from celery_ojs_ml.spec.resources import MLRequirements
+
+NEVER = "never"
+"""The `ext_mlx_scheduling_preemption_policy` that exempts a job from preemption."""
 
 
 def counted_reasons(want: Demand, total: Demand, free: Demand) -> list[Reason]:
@@ -55,6 +64,23 @@ def blocker(want: Demand, free: Demand, ahead: Sequence[Pending]) -> str | None:
 
 def _uses(d: Demand) -> set[str]:
     return {name for name, amount in d.items() if amount > 0}
+
+
+def with_preemption_limits(
+    req: MLRequirements,
+    *,
+    policy: str | None = None,
+    preemptions: int = 0,
+    max_preemptions: int | None = None,
+) -> MLRequirements:
+    """`req` made not preemptible when its policy is `never` or it hit the cap (module doc).
+
+    The same object when nothing applies (or it is not preemptible anyway).
+    """
+    capped = max_preemptions is not None and preemptions >= max_preemptions
+    if req.ext_ml_preemptible is False or not (policy == NEVER or capped):
+        return req
+    return req.model_copy(update={"ext_ml_preemptible": False})
 
 
 def is_victim(alloc: Allocation, band: str, *, allow_on_demand: bool) -> bool:

@@ -10,8 +10,9 @@ Key decisions (DESIGN.md decision 6, OJS ML §9.2-§9.3):
   resume never sees; a failure in (c) only delays the deletion.
 - Resume reads, in order: the committed metadata in Redis, the
   `ojs_last_checkpoint` header of a re-published job, then
-  `ext_mlx_training_resume_from`. Header values are untrusted (§15.3): their
-  storage keys pass the same URI allow-list as the storage URI.
+  `ext_mlx_training_resume_from`. Header values are untrusted (§15.3): a
+  record is restored only by its own job, from that job's own directory, and
+  (by default) only if the store committed it; the rules are in `restore.py`.
 - The preemption check costs nothing in the common case: the signal flag is a
   process-local bool, and Redis is polled at most every 0.5 s.
 """
@@ -27,19 +28,17 @@ from urllib.parse import urlsplit
 
 import redis
 
-from celery_ojs_ml.checkpoint import preempt, records, storage
+from celery_ojs_ml.checkpoint import preempt, records, restore, storage
 from celery_ojs_ml.checkpoint.model import (
     STORAGE_URI,
     CheckpointError,
     CheckpointMeta,
     CheckpointSettings,
     build_meta,
-    parse_meta,
     utc_timestamp,
 )
 from celery_ojs_ml.checkpoint.preempt import LeaseLost
 from celery_ojs_ml.checkpoint.writer import CheckpointWriter
-from celery_ojs_ml.spec import uris
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
@@ -100,7 +99,9 @@ class Checkpointer:
         """The checkpoint to resume from, or None (with a warning) to start from the beginning."""
         if self._resume_done:
             return self._resumed
-        found = self._find_resume()
+        found = restore.find(
+            self.job_id, self.settings, self.store, self._header_last, self._resume_from
+        )
         self._resume_done = True
         if found is None:
             log.warning(
@@ -122,41 +123,6 @@ class Checkpointer:
         )
         self._emit(LOADED, meta, source=source)
         return meta
-
-    def _find_resume(self) -> tuple[CheckpointMeta, str] | None:
-        committed = records.last_checkpoint(self.store, self.job_id)
-        if committed is not None:
-            return committed, "store"
-        if self._header_last is not None:
-            header = self._from_header(self._header_last)
-            if header is not None:
-                return header, "ojs_last_checkpoint"
-        if self._resume_from:
-            problem = self._untrusted_key_problem(self._resume_from)
-            if problem is None:
-                meta = CheckpointMeta(job_id=self.job_id, storage_key=self._resume_from)
-                return meta, "ext_mlx_training_resume_from"
-            log.warning("ojs-ml: ignoring ext_mlx_training_resume_from: it %s", problem)
-        return None
-
-    def _from_header(self, value: Any) -> CheckpointMeta | None:
-        parsed = parse_meta(value, self.job_id)
-        problem = parsed if isinstance(parsed, str) else self._untrusted_key_problem(parsed)
-        if problem is None and isinstance(parsed, CheckpointMeta):
-            return parsed
-        log.warning(
-            "ojs-ml: ignoring the ojs_last_checkpoint header of %s: it %s", self.job_id, problem
-        )
-        return None
-
-    def _untrusted_key_problem(self, item: CheckpointMeta | str) -> str | None:
-        key = item.storage_key if isinstance(item, CheckpointMeta) else item
-        bounds = self.settings.bounds
-        problems = [p.text for p in uris.uri_problems(key, bounds.checkpoint_schemes, "§15.3")]
-        prefixes = bounds.checkpoint_prefixes
-        if not problems and prefixes and not key.startswith(prefixes):
-            problems.append(f"is outside the allowed prefixes {list(prefixes)}")
-        return f"has storage_key {key!r} that " + "; ".join(problems) if problems else None
 
     def open(self, name: str | None = None, mode: str = "rb") -> IO[Any]:
         """Open a file of the resumed checkpoint, e.g. `ckpt.open("model.pt")`."""

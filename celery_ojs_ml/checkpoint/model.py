@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -37,6 +37,8 @@ SETTING_KEYS = (
     "ext_ml_preemption_grace_period_s",
 )
 """The attributes a job's checkpoint behaviour depends on (OJS ML §8.2, §9.1)."""
+RestoreMode = Literal["committed", "own_directory"]
+"""`ojs_ml_checkpoint_restore`: what an `ojs_last_checkpoint` header must be to be restored."""
 _URI_FIX = "use an allowed scheme, no '..', and a trailing slash, e.g. \"s3://bucket/checkpoints/\""
 
 
@@ -152,6 +154,8 @@ class CheckpointSettings:
     """Allowed schemes and prefixes (`ojs_ml_checkpoint_schemes`/`_prefixes`, §15.3)."""
     fsync: bool = True
     """fsync each payload file on `file://` before the commit (power-loss safety)."""
+    restore: RestoreMode = "committed"
+    """`ojs_ml_checkpoint_restore`: restore a header only if committed (§15.3, `restore.py`)."""
 
     def __post_init__(self) -> None:
         if self.storage_uri is not None:
@@ -180,6 +184,7 @@ class CheckpointSettings:
         *,
         bounds: Bounds = DEFAULT_BOUNDS,
         storage_options: Mapping[str, Any] | None = None,
+        restore: RestoreMode = "committed",
     ) -> CheckpointSettings:
         """Settings from `ext_ml_*` attributes, validated and defaulted by the normaliser."""
         picked = {k: attrs[k] for k in SETTING_KEYS if attrs.get(k) is not None}
@@ -197,6 +202,7 @@ class CheckpointSettings:
             grace_period_s=flat.get("ext_ml_preemption_grace_period_s", defaults.grace_period_s),
             storage_options=dict(storage_options or {}),
             bounds=bounds,
+            restore=restore,
         )
 
 

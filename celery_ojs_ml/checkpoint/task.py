@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_ojs_ml.checkpoint.helper import Checkpointer, Emit
-from celery_ojs_ml.checkpoint.model import SETTING_KEYS, STORAGE_URI, CheckpointSettings
+from celery_ojs_ml.checkpoint.model import (
+    SETTING_KEYS,
+    STORAGE_URI,
+    CheckpointSettings,
+    RestoreMode,
+)
 from celery_ojs_ml.checkpoint.storage import storage_options_for
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
@@ -46,6 +51,7 @@ def checkpoint(task: Any) -> Checkpointer:
         attrs,
         bounds=_bounds(task.app),
         storage_options=_options(attrs.get(STORAGE_URI), conf),
+        restore=_restore_mode(task.app),
     )
     return Checkpointer(
         str(job_id),
@@ -85,6 +91,12 @@ def _bounds(app: Any) -> Bounds:
     options = getattr(plugin, "parse_options", None) if plugin is not None else None
     bounds = getattr(options, "bounds", None)
     return bounds if isinstance(bounds, Bounds) else DEFAULT_BOUNDS
+
+
+def _restore_mode(app: Any) -> RestoreMode:
+    settings = getattr(getattr(app, "ojs_ml", None), "settings", None)
+    mode = getattr(settings, "checkpoint_restore", "committed")
+    return "own_directory" if mode == "own_directory" else "committed"
 
 
 def _store(app: Any) -> OJSStore:

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.cli import sched
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.matching.filters import FreeCapacity, fmt
 
@@ -44,12 +45,23 @@ def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
     except Exception as exc:  # the inspect half is still worth showing
         errors.append(f"store unavailable: {exc}")
         live, pending, held = {}, {}, {}
+    try:
+        scheduled = sched.scheduler_part(plugin)
+    except Exception as exc:
+        errors.append(f"scheduler state unavailable: {exc}")
+        scheduled = {"leader": None, "jobs": {}}
     now = time.time()
     workers = {
         name: _view(replies.get(name), live.get(name), held.get(name), now)
         for name in sorted(set(replies) | set(live))
     }
-    return {"workers": workers, "pending": pending, "errors": errors, "time": now}
+    return {
+        "workers": workers,
+        "pending": pending,
+        "scheduler": scheduled,
+        "errors": errors,
+        "time": now,
+    }
 
 
 def _view(
@@ -125,9 +137,22 @@ def live_fleet(
 
 def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
     """Where a task is: waiting (pending record), running or held on a worker, else unknown."""
+    job = (report.get("scheduler") or {}).get("jobs", {}).get(task_id)
+    if job is not None:
+        reason = (report["pending"].get(task_id) or {}).get("reason")
+        if job["state"] == "pending" and reason and "scheduler's pass" in job["reason_pending"]:
+            job = {**job, "reason_pending": reason}
+        return {"task_id": task_id, **job}
     record = report["pending"].get(task_id)
     if record is not None:
-        return {"task_id": task_id, "state": "waiting", **record}
+        return {
+            "task_id": task_id,
+            "state": "pending",
+            "reason_pending": record.get("reason"),
+            "t_estimate": None,
+            "worker": None,
+            **record,
+        }
     for name, view in report["workers"].items():
         for alloc in view.get("allocations", []):
             if alloc.get("task_id") == task_id:
@@ -201,8 +226,12 @@ def _consumes(entry: dict[str, Any], logical: str) -> bool:
 def render_location(found: dict[str, Any], now: float) -> str:
     """One line (two for waiting jobs) saying where a task is and why."""
     tid, state = found["task_id"], found["state"]
-    if state == "waiting":
-        return f"{tid} waits ({_job_facts(found, now)}):\n    {found.get('reason')}"
+    if state == "pending":
+        start = found.get("t_estimate")
+        when = f"; estimated start in {max(0.0, start - now):.0f} s" if start else ""
+        return f"{tid} waits ({_job_facts(found, now)}{when}):\n    {found.get('reason_pending')}"
+    if state == "assigned":
+        return f"{tid} is assigned to {found['worker']} and about to start"
     if state == "running":
         gpus = ", ".join(str(d) for d in found.get("devices", [])) or "none"
         return f"{tid} runs on {found['worker']} with GPU(s) {gpus} (band {found.get('band')})"
@@ -252,6 +281,8 @@ def render_status(report: dict[str, Any]) -> str:
     blocks = [_worker_block(name, view) for name, view in report["workers"].items()]
     if not blocks:
         blocks = ["no ojs-ml workers: none answered inspect and the store lists none live"]
+    if "scheduler" in report:  # gather() always reads it; a hand-built report may not
+        blocks.append(sched.render(report["scheduler"] or {}, report["time"]))
     blocks.append(_pending_block(report["pending"], report["time"]))
     blocks.extend(f"warning: {e}" for e in report["errors"])
     return "\n\n".join(blocks)

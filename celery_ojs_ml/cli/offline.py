@@ -16,30 +16,44 @@ import click
 
 from celery_ojs_ml.capabilities import capabilities_to_dict, probe
 from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, read_document, read_workers, worker_from
-from celery_ojs_ml.errors import SpecError
+from celery_ojs_ml.errors import ConfigError, SpecError
 from celery_ojs_ml.matching import match as match_one
 from celery_ojs_ml.matching import pending_message, rank
 from celery_ojs_ml.spec.documents import canonical, parse_document, requirements_doc
+from celery_ojs_ml.spec.envelope import DEFAULT_OPTIONS, ParseOptions
 from celery_ojs_ml.spec.resources import MLRequirements
 
 
 def _dump(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False)
+    # str() for the YAML-only types (dates, sets) that pass-through values such as
+    # ext_mlx_training_hyperparameters may hold; JSON input never has them.
+    return json.dumps(obj, indent=2, sort_keys=False, default=str)
 
 
 @click.command()
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the canonical normalised requirements."
 )
+@click.option(
+    "-A",
+    "--app",
+    "app_name",
+    metavar="MODULE[:ATTR]",
+    help="Validate with this app's ojs_ml_* settings (bounds, allow-lists, queue policies).",
+)
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-def validate(as_json: bool, files: tuple[str, ...]) -> None:
+@click.pass_context
+def validate(
+    ctx: click.Context, as_json: bool, app_name: str | None, files: tuple[str, ...]
+) -> None:
     """Validate OJS envelopes, workflows (JSON) and Flux jobspecs (YAML)."""
+    options = _parse_options(ctx, app_name)
     failed = False
     for path in files:
         doc = read_document(path)
         try:
-            parsed = parse_document(doc)
-            out = canonical(parsed)
+            parsed = parse_document(doc, options)
+            out = canonical(parsed, options)
         except SpecError as exc:
             failed = True
             for v in exc.violations:
@@ -49,6 +63,22 @@ def validate(as_json: bool, files: tuple[str, ...]) -> None:
             click.echo(f"{path}: warning: {warning}", err=True)
         click.echo(_dump(out) if as_json else f"{path}: valid")
     sys.exit(EXIT_INVALID if failed else EXIT_OK)
+
+
+def _parse_options(ctx: click.Context, app_name: str | None) -> ParseOptions:
+    """The app's validator options with `-A` (or under `celery -A`), else the defaults."""
+    plugin: Any = getattr(getattr(ctx.obj, "app", None), "ojs_ml", None)
+    if app_name:
+        from celery_ojs_ml.cli.live import load_plugin  # imports Celery: only when asked
+
+        plugin = load_plugin(ctx, app_name)
+    if plugin is None:
+        return DEFAULT_OPTIONS
+    try:
+        options = plugin.parse_options
+    except ConfigError as exc:
+        raise click.UsageError(f"the app's ojs_ml_* settings are invalid: {exc}", ctx) from None
+    return options if isinstance(options, ParseOptions) else DEFAULT_OPTIONS
 
 
 def _job_requirements(path: str) -> MLRequirements:

@@ -11,13 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from celery import Celery, signals
 from celery.canvas import Signature, chain, group
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
-from celery_ojs_ml.errors import ConfigError, UnsatisfiableError
+from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
 from celery_ojs_ml.integration.routing import (
     HEADER_BAND,
     HEADER_CLASS,
@@ -26,6 +30,7 @@ from celery_ojs_ml.integration.routing import (
     MLRouter,
 )
 from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
+from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import match, pending_message
 from celery_ojs_ml.spec.documents import parse_document
 from celery_ojs_ml.spec.envelope import Job, ParseOptions
@@ -48,9 +53,11 @@ class OJSML:
         self.app = app
         self._settings: OJSMLSettings | None = None
         self._store: OJSStore | None = None
-        self._registered: set[tuple[str, str, str]] = set()
+        self._registered: LRU[tuple[str, str, str], int] = LRU(4096)
+        """(class, queue, band) -> the registry version seen when it was registered."""
         self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
-        self._eligible: dict[tuple[str, str], tuple[float, str | None]] = {}
+        self._eligible: LRU[tuple[str, str], tuple[float, str | None]] = LRU(4096)
+        self._store_version = 0
         if isinstance(existing, OJSML):
             return
         app.ojs_ml = self
@@ -88,6 +95,32 @@ class OJSML:
             self._store = OJSStore.from_url(url, prefix=self.settings.store_prefix)
         return self._store
 
+    @property
+    def defaulted_queues(self) -> frozenset[str]:
+        """Logical queues whose policy has `ml_defaults`: their tasks are ML jobs (§10.1)."""
+        return self.settings.defaulted_queues
+
+    def store_url(self) -> str:
+        """The store's URL as configured, with any password masked (for messages)."""
+        url = self.settings.store_url or _redis_broker(self.app) or "(no store URL)"
+        parts = urlsplit(url)
+        if parts.password:
+            host = parts.netloc.rsplit("@", 1)[-1]
+            user = f"{parts.username}:***@" if parts.username else ":***@"
+            parts = parts._replace(netloc=user + host)
+        return urlunsplit(parts)
+
+    @contextmanager
+    def store_errors(self) -> Iterator[None]:
+        """Turn a store failure at publish into one `StoreUnavailable` naming the store."""
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"the OJS ML store at {self.store_url()} is unavailable ({exc}); nothing was "
+                "published. Check that Redis is up and ojs_ml_store_url is right, then retry"
+            ) from exc
+
     def use_store(self, store: OJSStore) -> None:
         """Use a given store (the embedded demo passes a fakeredis one)."""
         self._store = store
@@ -104,11 +137,18 @@ class OJSML:
     def register_class(
         self, cid: str, constraints: dict[str, Any], logical: str, band: str
     ) -> None:
-        """Register a (class, logical queue, band) once per process; workers pick it up."""
-        if (cid, logical, band) in self._registered:
+        """Register a (class, logical queue, band) once per store lifetime; workers pick it up.
+
+        The registry version only grows, so a version below the one seen at
+        registration means the store restarted empty: register again.
+        """
+        key = (cid, logical, band)
+        seen = self._registered.get(key)
+        if seen is not None and seen <= self._store_version:
             return
         self.store.register_class(cid, constraints, logical_queue=logical, band=band)
-        self._registered.add((cid, logical, band))
+        self._store_version = self.store.classes_version()
+        self._registered[key] = self._store_version
 
     def live_workers(self) -> list[tuple[Capabilities, frozenset[str] | None]]:
         """(capabilities, consumed queues) of the live workers, cached for a second.
@@ -119,6 +159,10 @@ class OJSML:
         now = time.monotonic()
         if now - stamp > _LIVE_CACHE_S:
             cached = []
+            version = self.store.classes_version()
+            if version < self._store_version:
+                self._registered.clear()  # the store restarted empty
+            self._store_version = version
             for w in self.store.live_workers().values():
                 queues = (w.get("info") or {}).get("queues")
                 consumed = None if queues is None else frozenset(queues)
@@ -149,8 +193,6 @@ class OJSML:
             else:
                 results = [match(req, caps) for caps in serving]
                 reason = None if any(r.eligible for r in results) else pending_message(results)
-            if len(self._eligible) >= 4096:
-                self._eligible.clear()
             self._eligible[(cid, logical)] = (stamp, reason)
         if reason is None:
             return None
@@ -179,6 +221,33 @@ class OJSML:
         except Exception as exc:  # the job is published either way; say why it waits in the log
             log.warning("ojs-ml: could not record that %s waits (%s): %s", task_id, record, exc)
         log.info("ojs-ml: %s waits: %s", task_id, record["reason"])
+
+    # -- RFC 27 requests on the pending set ---------------------------------------------------
+
+    def prioritize(self, task_id: str, priority: int) -> bool:
+        """RFC 27 prioritize: reorder a waiting job; False when it does not wait."""
+        from celery_ojs_ml.pending import PendingBook
+
+        changed = PendingBook(self.store).prioritize(task_id, priority)
+        if changed:
+            self._wake()
+        return changed
+
+    def cancel(self, task_id: str) -> bool:
+        """RFC 27 cancel: drop a job no worker has started and revoke it; False if not waiting."""
+        from celery_ojs_ml.pending import PendingBook
+
+        dropped = PendingBook(self.store).cancel(task_id)
+        self.app.control.revoke(task_id)
+        return dropped
+
+    def _wake(self) -> None:
+        from celery_ojs_ml.integration.scheduling import send_wake
+
+        try:
+            send_wake(self.app, "api")
+        except Exception as exc:  # the scheduler passes on its own interval too
+            log.debug("ojs-ml: could not wake the scheduler: %s", exc)
 
     # -- submission of OJS documents -------------------------------------------------------
 

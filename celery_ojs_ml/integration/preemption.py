@@ -16,6 +16,11 @@ Key decisions:
 * The victim policy lives in `allocator.policy` (lowest band first, newest
   first, then pruned to a minimal set); spot is always preemptible, on-demand
   only by reserved and only with `ojs_ml_allow_on_demand_preemption`.
+* `ext_mlx_scheduling_preemption_policy` (OJS ML Extensions §7) picks the path:
+  `never` makes the job no victim at all (like `ojs_ml_max_preemptions`, folded
+  into its requirements by `cap`), `immediate` skips the flag and the grace
+  period and kills the child at once, and `save_and_retry` (the default) is the
+  cooperative path above. Either way the job is re-published as a preemption.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.exceptions import Ignore
 
+from celery_ojs_ml.allocator import with_preemption_limits
 from celery_ojs_ml.integration.deadletter import last_checkpoint_of
 from celery_ojs_ml.integration.leases import republish_headers
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -39,10 +45,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 30.0
 HEADER_PREEMPTIONS = "ojs_preemptions"
+HEADER_POLICY = "ext_mlx_scheduling_preemption_policy"
+IMMEDIATE = "immediate"
+_UNSTARTED_S = 0.1
+"""How soon a victim that no pool child has accepted yet is looked at again."""
+
+
+def policy_of(headers: dict[str, Any]) -> str | None:
+    """The job's `ext_mlx_scheduling_preemption_policy` (OJS ML Extensions §7), if any."""
+    value = headers.get(HEADER_POLICY)
+    return value if isinstance(value, str) else None
 
 
 def grace_of(req: Any) -> float:
-    """The victim's grace period in seconds (§8.2, default 30)."""
+    """The victim's grace period in seconds (§8.2, default 30; 0 when `immediate`)."""
+    if policy_of(req.request_dict) == IMMEDIATE:
+        return 0.0
     value = req.request_dict.get("ext_ml_preemption_grace_period_s")
     return float(value) if isinstance(value, int | float) else DEFAULT_GRACE_S
 
@@ -63,11 +81,13 @@ class Preemptions:
         return req in self.timers
 
     def cap(self, ml: MLRequirements, headers: dict[str, Any]) -> MLRequirements:
-        """Past `ojs_ml_max_preemptions` the job is no longer preemptible."""
-        limit = self.gate.settings.max_preemptions
-        if limit is not None and preemptions_of(headers) >= limit and ml.ext_ml_preemptible:
-            return ml.model_copy(update={"ext_ml_preemptible": False})
-        return ml
+        """Not preemptible when its policy is `never` or past `ojs_ml_max_preemptions`."""
+        return with_preemption_limits(
+            ml,
+            policy=policy_of(headers),
+            preemptions=preemptions_of(headers),
+            max_preemptions=self.gate.settings.max_preemptions,
+        )
 
     def make_room(self, ml: MLRequirements, band: str) -> float | None:
         """Preempt victims so a held higher-band job fits; the longest grace, or None."""
@@ -83,30 +103,40 @@ class Preemptions:
         return longest
 
     def preempt(self, req: Any, grace: float) -> None:
-        """Set the flag, signal the child, and arm the hard kill for the end of the grace."""
+        """Set the flag, signal the child, and arm the hard kill for the end of the grace.
+
+        An `immediate` job gets neither flag nor signal: the kill comes at once.
+        """
+        gate = self.gate
+        if policy_of(req.request_dict) == IMMEDIATE:
+            log.warning("ojs-ml: preempting %s[%s] at once", req.name, req.id)
+        else:
+            log.warning("ojs-ml: preempting %s[%s] (grace %.1f s)", req.name, req.id, grace)
+            self._ask_to_yield(req, grace)
+        self.timers[req] = gate.c.timer.call_after(grace, self.hard_kill, (req,))
+
+    def _ask_to_yield(self, req: Any, grace: float) -> None:
         from celery_ojs_ml.checkpoint import request_preemption
 
-        gate = self.gate
-        log.warning("ojs-ml: preempting %s[%s] (grace %.1f s)", req.name, req.id, grace)
         try:
-            request_preemption(gate.store, req.id, grace)
+            request_preemption(self.gate.store, req.id, grace)
         except Exception as exc:
             log.warning("ojs-ml: could not set the preemption flag of %s: %s", req.id, exc)
         pid = getattr(req, "worker_pid", None)
-        if gate.prefork and pid:
+        if self.gate.prefork and pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR2)
-        self.timers[req] = gate.c.timer.call_after(grace, self.hard_kill, (req,))
 
     def hard_kill(self, req: Any) -> None:
-        """The grace period is over and the task has not yielded: stop its process."""
+        """The grace period is over (or there is none) and the task has not yielded: stop it."""
         pid = getattr(req, "worker_pid", None)
-        if req not in self.timers or not pid:
+        if req not in self.timers:
+            return
+        if not pid:  # dispatched, but no pool child has taken it yet: look again shortly
+            self.timers[req] = self.gate.c.timer.call_after(_UNSTARTED_S, self.hard_kill, (req,))
             return
         if self.gate.kill_child(pid):
-            log.warning(
-                "ojs-ml: %s did not yield within its grace period; killed pid %s", req.id, pid
-            )
+            log.warning("ojs-ml: %s %s; killed pid %s", req.id, _kill_reason(req), pid)
         else:
             log.warning(
                 "ojs-ml: %s ignored preemption; a non-prefork pool cannot stop one task", req.id
@@ -144,7 +174,7 @@ class Preemptions:
                 headers, ojs_preemptions=count, ojs_last_checkpoint=checkpoint
             ),
         )
-        how = "yielded" if isinstance(exc, Ignore) else "was killed after its grace period"
+        how = "yielded" if isinstance(exc, Ignore) else _killed(req)
         log.warning("ojs-ml: %s %s; re-published (preemption %d)", req.id, how, count)
         req.send_event("task-retried", exception=f"Preempted({how}, preemptions={count})")
         dispatcher = getattr(gate.c, "event_dispatcher", None)
@@ -156,3 +186,17 @@ class Preemptions:
                 how=how,
                 checkpoint=(checkpoint or {}).get("sequence"),
             )
+
+
+def _kill_reason(req: Any) -> str:
+    """Why a victim was killed, for the log."""
+    if policy_of(req.request_dict) == IMMEDIATE:
+        return f"is preempted at once ({HEADER_POLICY}: {IMMEDIATE})"
+    return "did not yield within its grace period"
+
+
+def _killed(req: Any) -> str:
+    """How a killed victim ended, for the log and the `ojs-preempted` event's `how`."""
+    if policy_of(req.request_dict) == IMMEDIATE:
+        return "was killed at once"
+    return "was killed after its grace period"

@@ -1,10 +1,13 @@
-"""Publish side: validate requirements and route to `<logical>.ml.<class>.<band>`.
+"""Publish side: validate requirements and route ML jobs to the fleet scheduler's intake.
 
 Key decision: a router function in `task_routes` is the one public hook that
 sees both the task object (its `ml=` option) and the call's headers, and it runs
 before anything is published, so an invalid job raises with the validator's
 message and nothing reaches the broker. Jobs without hard constraints return
-None and keep the queue plain Celery routing gives them.
+None and keep the queue plain Celery routing gives them. A task sent without
+ML attributes to a queue whose policy has `ml_defaults` is an ML job (OJS ML
+§10.1: the defaults apply to every job of the queue); tasks of other queues
+are never touched.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
+from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.classes import (
     BANDS,
     band,
@@ -34,6 +38,13 @@ HEADER_LOGICAL = "ojs_logical_queue"
 HEADER_PENDING = "ojs_pending"
 """Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
+SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims")
+"""Set by the scheduler on one delivery; never carried into a new publish."""
+
+
+def intake_name(prefix: str) -> str:
+    """The queue every ML job is published to first; only the fleet scheduler reads it."""
+    return f"{prefix}.ml.intake"
 
 
 def ml_queue(name: str, *, declare: bool = True) -> Queue:
@@ -88,7 +99,7 @@ class _Resolved:
 
 
 _MEMO_MAX = 1024
-"""Resolved declarations a router keeps before its memo is reset."""
+"""Resolved declarations (and queues) a router keeps, least recently used dropped first."""
 
 
 class MLRouter:
@@ -102,8 +113,8 @@ class MLRouter:
 
     def __init__(self, plugin: OJSML) -> None:
         self.plugin = plugin
-        self._memo: dict[tuple[str, str], _Resolved] = {}
-        self._queues: dict[str, Queue] = {}
+        self._memo: LRU[tuple[str, str], _Resolved] = LRU(_MEMO_MAX)
+        self._queues: LRU[str, Queue] = LRU(_MEMO_MAX)
 
     def __call__(
         self,
@@ -115,9 +126,11 @@ class MLRouter:
         **_: Any,
     ) -> dict[str, Any] | None:
         attrs = declared_attrs(task, options.get("headers"))
-        if not attrs:
+        if not attrs and not self.plugin.defaulted_queues:
             return None
         logical = self._logical_queue(task, options)
+        if not attrs and logical not in self.plugin.defaulted_queues:
+            return None  # a plain task of a queue without ml_defaults stays plain Celery
         found = self._resolve(attrs, logical)
         headers = {**(options.get("headers") or {}), **found.headers}
         options["headers"] = headers
@@ -139,8 +152,6 @@ class MLRouter:
                 band(req),
                 hard_constraints(req) if hard else {},
             )
-            if len(self._memo) >= _MEMO_MAX:
-                self._memo.clear()
             self._memo[key] = found
         return found
 
@@ -148,16 +159,17 @@ class MLRouter:
         self, found: _Resolved, logical: str, options: dict[str, Any], headers: dict[str, Any]
     ) -> dict[str, Any]:
         cid, band_name = found.cid, found.band
-        self.plugin.register_class(cid, found.constraints, logical, band_name)
-        reason = self.plugin.check_satisfiable(found.req, cid, logical)
+        with self.plugin.store_errors():
+            self.plugin.register_class(cid, found.constraints, logical, band_name)
+            reason = self.plugin.check_satisfiable(found.req, cid, logical)
         if reason is not None:
             headers[HEADER_PENDING] = reason
         headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
-        name = queue_name(logical, cid, band_name)
+        for private in SCHEDULER_HEADERS:  # a re-published copy is assigned afresh
+            headers.pop(private, None)
+        name = intake_name(self.plugin.settings.store_prefix)
         queue = self._queues.get(name)
         if queue is None:
-            if len(self._queues) >= _MEMO_MAX:
-                self._queues.clear()
             queue = self._queues[name] = ml_queue(name)
         options["queue"] = queue  # an explicit queue= names the logical queue, not the destination
         return {"queue": queue}

@@ -7,11 +7,14 @@ silently turns a feature off.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from celery_ojs_ml.checkpoint.model import RestoreMode
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.envelope import ParseOptions
 from celery_ojs_ml.spec.normalize import Bounds
@@ -46,6 +49,8 @@ class OJSMLSettings(BaseModel):
     """A running ML job's lease expires this long after its worker's last heartbeat."""
     lease_write_delay_ms: float = Field(default=20.0, ge=0, le=1000)
     """On a busy worker, how long a new lease waits to share one batched write (idle: 2 ms)."""
+    max_header_bytes: int = Field(default=65536, ge=1024)
+    """Largest `ext_ml_*` headers (and `ojs_last_checkpoint`) a worker accepts in one message."""
     max_crashes: int = Field(default=3, ge=0)
     """Re-publish a job whose worker died at most this often, then dead-letter it."""
     max_preemptions: int | None = Field(default=None, ge=0)
@@ -54,8 +59,22 @@ class OJSMLSettings(BaseModel):
     """Let reserved jobs preempt preemptible on-demand jobs (spot is always preemptible)."""
     checkpoint_storage_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """URI prefix -> fsspec storage options for checkpoint payloads (docs/checkpoint.md)."""
+    checkpoint_restore: RestoreMode = "committed"
+    """Restore an `ojs_last_checkpoint` header only when the store committed it (OJS ML §15.3)."""
     locality_weight: int = Field(default=50, ge=0, le=100)
     """Weight of model locality in the 0-100 score (§11.3)."""
+    scheduler: Literal["auto", "off"] = "auto"
+    """"auto": this worker may be elected the fleet scheduler; "off": it never leads."""
+    reservation_depth: int = Field(default=1, ge=1, le=1000)
+    """How many blocked jobs, first in fleet order, hold a reservation (backfill guard)."""
+    min_runtime_before_preemption_s: float = Field(default=60.0, ge=0)
+    """A running job younger than this is never preempted (Slurm's PreemptExemptTime)."""
+    leader_ttl_s: float = Field(default=5.0, gt=0.5, le=300)
+    """The scheduler lock's TTL: another worker takes over this long after the leader dies."""
+    assignment_timeout_s: float = Field(default=15.0, gt=0)
+    """An assignment its worker has not taken within this is taken back and reassigned."""
+    scheduler_interval_s: float = Field(default=0.5, gt=0, le=60)
+    """Longest gap between two scheduling passes (wake-ups start one at once)."""
     queue_policies: dict[str, QueuePolicy] = Field(default_factory=dict)
     """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
     bounds: dict[str, Any] = Field(default_factory=dict)
@@ -69,6 +88,11 @@ class OJSMLSettings(BaseModel):
             return "cuda" if value else "never"
         return value
 
+    @cached_property
+    def defaulted_queues(self) -> frozenset[str]:
+        """Logical queues whose policy sets `ml_defaults`: every task sent there is an ML job."""
+        return frozenset(q for q, p in self.queue_policies.items() if p.ml_defaults)
+
     def parse_options(self) -> ParseOptions:
         """The validator options these settings imply."""
         return ParseOptions(bounds=make_bounds(self.bounds), policies=self.queue_policies)
@@ -79,6 +103,11 @@ def make_bounds(values: Mapping[str, Any]) -> Bounds:
     converted: dict[str, Any] = {}
     for key, value in values.items():
         default = getattr(Bounds(), key)
+        if isinstance(value, str) and (default is None or isinstance(default, frozenset | tuple)):
+            raise ConfigError(
+                f"{PREFIX}{key} must be a list, not the string {value!r}; "
+                f"e.g. app.conf.{PREFIX}{key} = [{json.dumps(value)}]"
+            )
         if isinstance(default, frozenset) or (default is None and value is not None):
             converted[key] = frozenset(value)
         elif isinstance(default, tuple):
@@ -100,5 +129,7 @@ def read_settings(conf: Mapping[str, Any]) -> OJSMLSettings:
     try:
         make_bounds(bounds)
         return OJSMLSettings(**raw, bounds=bounds)
+    except ConfigError:
+        raise
     except (ValidationError, TypeError, ValueError) as exc:
         raise ConfigError(f"invalid ojs_ml_* setting: {exc}") from None

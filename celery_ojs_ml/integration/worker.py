@@ -34,27 +34,29 @@ from celery.worker import state as worker_state
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration import child
+from celery_ojs_ml.integration import assigned, child
+from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.routing import (
-    HEADER_CLASS,
     HEADER_PENDING,
     class_routes,
     ml_queue,
     queue_name,
 )
+from celery_ojs_ml.integration.scheduling import FleetScheduler, send_wake, worker_queue_name
 from celery_ojs_ml.integration.wakeup import wake_consumer
+from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import Verdict, match
-from celery_ojs_ml.spec.classes import BANDS
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.spec.classes import BANDS, hard_constraints
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger(__name__)
 GATES: dict[str, MLWorker] = {}
-_REQ_CACHE: dict[str, MLRequirements] = {}
-_CAPS_CACHE: dict[str | None, Capabilities] = {}
+_CAPS_CACHE: LRU[str | None, Capabilities] = LRU(16)
 _WANTED_CACHE = 256
 """Subscription sets cached per (registry version, capacity shape) before the cache resets."""
 
@@ -79,9 +81,10 @@ def install(app: Celery) -> None:
 
 def capabilities_for(value: str | None) -> Capabilities:
     """Resolve `--ojs-ml-capabilities` once per process (the probe is not free)."""
-    if value not in _CAPS_CACHE:
-        _CAPS_CACHE[value] = resolve_capabilities(value)
-    return _CAPS_CACHE[value]
+    caps = _CAPS_CACHE.get(value)
+    if caps is None:
+        caps = _CAPS_CACHE[value] = resolve_capabilities(value)
+    return caps
 
 
 def is_prefork(pool: Any) -> bool:
@@ -151,18 +154,6 @@ def _child_prerun(**_: Any) -> None:
     reset_flag()
 
 
-def _requirements(headers: dict[str, Any]) -> MLRequirements | None:
-    if not headers.get(HEADER_CLASS):
-        return None
-    attrs = {k: v for k, v in headers.items() if k.startswith("ext_ml_")}
-    key = repr(sorted(attrs.items()))
-    req = _REQ_CACHE.get(key)
-    if req is None:
-        req = normalize(attrs).requirements
-        _REQ_CACHE[key] = req
-    return req
-
-
 class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     """Capabilities, advertisement, subscription and the gate of one consumer."""
 
@@ -174,6 +165,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.c = c
         self.app = c.app
         self.settings = self.app.ojs_ml.settings
+        self.bounds = self.settings.parse_options().bounds
+        self.admission = Admission(self.bounds, self.settings.max_header_bytes)
         self.caps: Capabilities = capabilities_for(ojs_ml_capabilities)
         self.prefork = is_prefork(getattr(c, "pool", None))
         self._check_pool()
@@ -191,6 +184,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]] = {}
         """class id -> (requirements, the (logical queue, band) routes it was published on)."""
         self.version = -1
+        self._bad_classes: set[str] = set()
         self.logical: frozenset[str] = frozenset()
         """The worker's own (non-ML) queues: it takes ML jobs of these logical queues only."""
         self.lock = threading.RLock()
@@ -201,6 +195,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.unacked: dict[Any, bool] = {}
         """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []
+        self.own_queue = worker_queue_name(self.settings.store_prefix, self.hostname)
+        self.scheduler: FleetScheduler | None = None
+        self._wake_due = False
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
         GATES[self.hostname] = self
@@ -222,6 +219,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, c: Any) -> None:
         s = self.settings
         self.store = self.app.ojs_ml.store
+        self.book = PendingBook(self.store)
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
         self.writer = LeaseWriter(
             self.leases,
@@ -236,6 +234,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             self.logical = self._own_queues()
             self.refresh()
         self.advertise()
+        self._start_scheduler()
         self._timers = [
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
             c.timer.call_repeatedly(s.heartbeat_s, self.advertise),
@@ -249,6 +248,31 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             self._timers.append(c.timer.call_repeatedly(0.2, maintain))
         self._check_concurrency(getattr(c.pool, "limit", None))
         log.info("ojs-ml: %s", self.banner())
+
+    def _start_scheduler(self) -> None:
+        """Run a candidate for the fleet scheduler lock in a thread (`ojs_ml_scheduler`)."""
+        if self.settings.scheduler != "auto" or self.scheduler is not None:
+            return
+        self.scheduler = FleetScheduler(self.app, candidate=self.hostname)
+        threading.Thread(target=self.scheduler.run, name="ojs-ml-scheduler", daemon=True).start()
+
+    def wake_scheduler(self) -> None:
+        """Capacity was freed or given back: advertise it, then wake the scheduler (coalesced)."""
+        hub = getattr(self.c, "hub", None)
+        if hub is not None and threading.current_thread() is threading.main_thread():
+            if not self._wake_due:
+                self._wake_due = True
+                hub.call_soon(self._wake_now)
+        else:
+            self._wake_now()
+
+    def _wake_now(self) -> None:
+        self._wake_due = False
+        self.advertise()
+        try:
+            send_wake(self.app, self.hostname)
+        except Exception as exc:  # the scheduler also passes on its own interval
+            log.warning("ojs-ml: could not wake the scheduler: %s", exc)
 
     def _check_concurrency(self, limit: Any) -> None:
         """Warn when the pool has fewer processes than the worker has GPUs.
@@ -304,6 +328,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             self.subscribed = set()
 
     def shutdown(self, c: Any) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
         try:
             self.store.forget_worker(self.hostname)
         except Exception:  # the store may already be gone at shutdown
@@ -360,11 +386,15 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Pick up new classes and (re)apply the queues that fit free capacity now."""
         try:
             version = self.store.classes_version()
+            if version < self.version and self.classes:
+                self._restore_registry()  # the store restarted empty: put back what we know
+                version = self.store.classes_version()
             if version != self.version:
-                classes = {
-                    cid: (normalize(entry["constraints"]).requirements, class_routes(entry))
-                    for cid, entry in self.store.classes().items()
-                }
+                classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]] = {}
+                for cid, entry in self.store.classes().items():
+                    parsed = self._parse_class(cid, entry)
+                    if parsed is not None:
+                        classes[cid] = parsed
                 with self.lock:
                     self.classes, self.version = classes, version
         except Exception as exc:
@@ -374,6 +404,30 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             if own != self.logical:  # `celery control add_consumer/cancel_consumer`
                 self.logical, self._wanted = own, {}
         self.resubscribe()
+
+    def _parse_class(
+        self, cid: str, entry: dict[str, Any]
+    ) -> tuple[MLRequirements, list[tuple[str, str]]] | None:
+        """One registry entry, validated with this app's bounds; None (logged) if it fails.
+
+        A class this worker cannot parse is skipped on its own, so one bad entry
+        (a producer with looser bounds, a hand-edited store) never hides the others.
+        """
+        try:
+            return normalize(entry["constraints"], self.bounds).requirements, class_routes(entry)
+        except Exception as exc:
+            if cid not in self._bad_classes:
+                self._bad_classes.add(cid)
+                log.error("ojs-ml: skipping requirement class %s: %s", cid, exc)
+            return None
+
+    def _restore_registry(self) -> None:
+        """Re-register the classes this worker knew after the store lost its registry."""
+        log.warning("ojs-ml: the class registry was reset (store restarted?); restoring it")
+        for cid, (req, routes) in list(self.classes.items()):
+            constraints = hard_constraints(req)
+            for logical, band_name in routes:
+                self.store.register_class(cid, constraints, logical_queue=logical, band=band_name)
 
     def _own_queues(self) -> frozenset[str]:
         """The queues this consumer reads besides class queues (`-Q`, `add_consumer`).
@@ -407,6 +461,11 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         return wanted
 
     def _compute_wanted(self) -> set[str]:
+        """The worker's own queue: the fleet scheduler delivers its assignments there."""
+        return {self.own_queue}
+
+    def _class_queues(self) -> set[str]:
+        """Class queues that fit now (the transport before the fleet scheduler; unused)."""
         free = self.allocator.free_capacity()
         wanted: set[str] = set()
         if self.allocator.held():
@@ -466,17 +525,73 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def on_task_request(self, req: Any) -> Any:
         headers = req.request_dict
-        ml = _requirements(headers)
+        try:
+            ml = self.admission.requirements(headers)
+        except BadMessage as exc:
+            return self.refuse(req, str(exc))
         if ml is None:
             return self._orig_handler(req)
+        try:
+            return self._gate(req, ml)
+        except Exception as exc:  # never out of on_task_received: it would stop the consumer
+            log.exception("ojs-ml: the gate failed on %s", req.id)
+            with self.lock:
+                self.allocator.free(req)
+            return self.refuse(req, f"the worker's gate failed: {exc!r}")
+
+    def _gate(self, req: Any, ml: MLRequirements) -> Any:
+        headers = req.request_dict
         with self.lock:
             ml = self.preemptions.cap(ml, headers)
             outcome = self.allocator.try_alloc(req, req.id, ml, priority=band_priority(headers))
+            if assigned.token_of(req) is not None and not isinstance(outcome, Allocation):
+                return self._not_fitting(req, outcome)
             if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:
                 grace = self.preemptions.make_room(ml, outcome.band)
                 if grace is not None:  # hold it until the victims have yielded or been killed
                     self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
             return self._handle(req, outcome)
+
+    def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
+        """A scheduled job that does not fit: preempt the planned victims, else give it back."""
+        victims = assigned.victims_of(req)
+        grace = assigned.preempt_planned(self, req, victims) if victims else None
+        if isinstance(outcome, Pending) and grace is not None:
+            self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
+            assigned.hold_for_victims(self, req, grace)
+            return self._handle(req, outcome)
+        assigned.give_back(self, req, outcome.reason)
+        return None
+
+    def refuse(self, req: Any, reason: str) -> None:
+        """End a message the gate cannot run: dead-letter it with the reason, fail it, drop it.
+
+        The job is kept (`celery ojs-ml dead` lists it, `dead --retry` re-publishes
+        it), its caller sees a failure instead of waiting forever, and the
+        worker carries on with the next message.
+        """
+        log.error("ojs-ml: refusing %s[%s]: %s", req.name, req.id, reason)
+        headers = republish_headers(req.request_dict)
+        if len(repr(headers)) > 2 * self.settings.max_header_bytes:
+            headers = {}  # an oversized header is not copied into the store
+        record = {
+            "task_id": req.id,
+            "name": req.name,
+            "args": list(req.args),
+            "kwargs": dict(req.kwargs),
+            "headers": headers,
+            "retries": 0,
+        }
+        for step in (
+            lambda: dead_letter(self.store, record, f"refused by {self.hostname}: {reason}"),
+            lambda: refused_result(req, reason),
+        ):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("ojs-ml: while refusing %s: %s", req.id, exc)
+        worker_state.task_ready(req)
+        req.reject(requeue=False)
 
     def _handle(self, req: Any, outcome: Allocation | Pending | Denied) -> Any:
         if isinstance(outcome, Allocation):
@@ -494,6 +609,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         return None
 
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
+        if not assigned.may_start(self, req, alloc):
+            return None
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         req.request_dict["ojs_devices"] = list(alloc.devices)
         req.request_dict["ojs_node"] = self.hostname
@@ -546,6 +663,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.unacked.pop(req, False):
             self._ack(req)  # its lease could not be written: the message held it
         log.debug("ojs-ml: released %s", req.id)
+        self.wake_scheduler()
         hub = getattr(self.c, "hub", None)
         if hub is not None and threading.current_thread() is threading.main_thread():
             if not self._pump_due:  # one pump serves every release of this loop turn
@@ -586,6 +704,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     continue
                 self.hold_until.pop(req, None)
                 self._leave_hold(req)
+                if assigned.token_of(req) is not None:
+                    assigned.give_back(self, req, f"held too long: {pending.reason}")
+                    continue
                 log.info("ojs-ml: %s held too long (%s); requeueing", req.id, pending.reason)
                 self._requeue(req)
             if not self.allocator.held():
@@ -805,6 +926,13 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             return result
 
         return wrapped
+
+
+def refused_result(req: Any, reason: str) -> None:
+    """Record a refused job as failed (result backend, `task-failed` event) with the reason."""
+    exc = BadMessage(reason)
+    req.task.backend.mark_as_failure(req.id, exc, request=None)
+    req.send_event("task-failed", exception=repr(exc), traceback="")
 
 
 def band_priority(headers: dict[str, Any]) -> int:

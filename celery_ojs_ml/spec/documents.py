@@ -23,12 +23,16 @@ Document = Job | Workflow | FluxJob
 
 
 def load_text(text: str, *, name: str = "<input>") -> Any:
-    """Parse JSON, falling back to YAML (Flux jobspecs); raise SpecError on syntax errors."""
+    """Parse JSON, falling back to YAML (Flux jobspecs); raise SpecError on syntax errors.
+
+    A YAML alias inside its own anchor makes a value contain itself, which no
+    JSON document can: it is rejected here, before anything walks or prints it.
+    """
     try:
-        return json.loads(text)
+        doc = json.loads(text)
     except json.JSONDecodeError as json_error:
         try:
-            return yaml.safe_load(text)
+            doc = yaml.safe_load(text)
         except yaml.YAMLError:
             raise SpecError(
                 Violation(
@@ -38,6 +42,32 @@ def load_text(text: str, *, name: str = "<input>") -> Any:
                     "check the file's syntax",
                 )
             ) from None
+    if _refers_to_itself(doc):
+        problem = "refers to itself through a YAML alias (*name) inside its own anchor (&name)"
+        fix = "write the value out in full: a job document is a tree, as in JSON"
+        raise SpecError(Violation(name, problem, "OJS core", fix))
+    return doc
+
+
+def _refers_to_itself(doc: Any) -> bool:
+    """Whether a container holds itself; each container is walked once, so aliases stay cheap."""
+    done: set[int] = set()
+    ancestors: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(doc, False)]
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            ancestors.discard(id(node))
+            done.add(id(node))
+        elif isinstance(node, dict | list) and id(node) not in done:
+            if id(node) in ancestors:
+                return True
+            ancestors.add(id(node))
+            stack.append((node, True))
+            stack.extend(
+                (child, False) for child in (node.values() if isinstance(node, dict) else node)
+            )
+    return False
 
 
 def parse_document(doc: Any, options: ParseOptions = DEFAULT_OPTIONS) -> Document:

@@ -50,6 +50,8 @@ class ParseOptions:
 
 
 DEFAULT_OPTIONS = ParseOptions()
+_ID = "019502a4-0001-7abc-8000-000000000001"
+"""An example job id (a UUIDv7, as OJS core ids are) for the fix of a bad one."""
 
 
 def split_attrs(doc: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -57,7 +59,7 @@ def split_attrs(doc: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     ml: dict[str, Any] = {}
     mlx: dict[str, Any] = {}
     for key, value in doc.items():
-        if key.startswith("ext_ml"):
+        if isinstance(key, str) and key.startswith("ext_ml"):  # YAML allows non-string keys
             if key.startswith("ext_mlx_"):
                 mlx[key] = value
             elif key.startswith("ext_ml_"):
@@ -84,7 +86,7 @@ def requirements_of(
     req = _requirements(apply_defaults(ml, policy), legacy_attrs, options, violations, warnings)
     if req is not None and queue is not None:
         violations += limit_violations(req, queue, policy)
-    mlx = _mlx(mlx_attrs, violations, warnings)
+    mlx = _mlx(mlx_attrs, options.bounds, violations, warnings)
     if violations:
         raise SpecError(violations)
     assert req is not None
@@ -107,11 +109,14 @@ def _requirements(
     return result.requirements
 
 
-def _mlx(attrs: dict[str, Any], violations: list[Violation], warnings: list[str]) -> dict[str, Any]:
+def _mlx(
+    attrs: dict[str, Any], bounds: Bounds, violations: list[Violation], warnings: list[str]
+) -> dict[str, Any]:
     if not attrs:
         return {}
     try:
-        out, extra = validate_mlx(attrs)
+        schemes, prefixes = bounds.artifact_schemes, bounds.artifact_prefixes
+        out, extra = validate_mlx(attrs, uri_schemes=schemes, uri_prefixes=prefixes)
     except SpecError as exc:
         violations += exc.violations
         return {}
@@ -182,4 +187,6 @@ def _core_violations(doc: Mapping[str, Any], options: ParseOptions) -> list[Viol
             )
     if doc.get("queue") is not None and not isinstance(doc["queue"], str):
         out.append(Violation("queue", "must be a string", "OJS core", 'e.g. "queue": "gpu"'))
+    if doc.get("id") is not None and not (isinstance(doc["id"], str) and doc["id"]):
+        out.append(Violation("id", "must be a non-empty string", "OJS core", f'e.g. "id": "{_ID}"'))
     return out

@@ -4,6 +4,8 @@ Key decision: one table maps every attribute of §4–§7 to a small checker.
 `validate_mlx` walks the job once, each checker reports into a shared
 collector, and a single `SpecError` names every violation at once.
 Hyperparameters (§5.1) are handed back by identity and never looked inside.
+Every URI attribute is an artifact URI for §12.1: a local file or an internal
+host is reachable only under an operator's prefix (`spec/uris.py`).
 Unknown `ext_mlx_*` attributes are kept with a warning, so jobs from newer
 producers still pass. The only rewrite is lower-casing URI schemes, which
 makes the function idempotent on its own output.
@@ -16,7 +18,7 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
@@ -25,6 +27,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.spec import uris
 
 __all__ = ["DEFAULT_ARTIFACT_SCHEMES", "KNOWN_ATTRIBUTES", "PREFIX", "validate_mlx"]
 
@@ -60,6 +63,8 @@ _BOUNDS_EXAMPLE = '{"min": 0.92}'
 _STEP_EXAMPLE = '{"type": "deduplicate", "config": {"columns": ["text"]}}'
 _LOCAL = 'use a local absolute path, e.g. "file:///data/models/v1.0/"'
 _NO_SECRETS = "remove it; workers authenticate with an IAM role or workload identity instead"
+_SCHEMES_SETTING = "app.conf.ojs_ml_artifact_schemes"
+_PREFIXES_SETTING = "app.conf.ojs_ml_artifact_prefixes"
 
 
 @dataclass
@@ -67,6 +72,7 @@ class _Collector:
     """Violations and warnings gathered while one job is checked."""
 
     schemes: frozenset[str]
+    prefixes: tuple[str, ...] = ()
     violations: list[Violation] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -78,13 +84,18 @@ Checker = Callable[[str, Any, _Collector], Any]
 
 
 def validate_mlx(
-    attrs: Mapping[str, Any], *, uri_schemes: frozenset[str] = DEFAULT_ARTIFACT_SCHEMES
+    attrs: Mapping[str, Any],
+    *,
+    uri_schemes: frozenset[str] = DEFAULT_ARTIFACT_SCHEMES,
+    uri_prefixes: Sequence[str] = (),
 ) -> tuple[dict[str, Any], list[str]]:
     """Validate the ext_mlx_* keys of one job (attrs holds ONLY ext_mlx_* keys).
 
+    `uri_schemes` and `uri_prefixes` are the artifact allow-lists (§12.1;
+    settings `ojs_ml_artifact_schemes` and `ojs_ml_artifact_prefixes`).
     Returns (normalised dict, warnings). Raises SpecError listing every violation.
     """
-    collector = _Collector(frozenset(s.lower() for s in uri_schemes))
+    collector = _Collector(frozenset(s.lower() for s in uri_schemes), tuple(uri_prefixes))
     out = {key: _check_attribute(key, value, collector) for key, value in attrs.items()}
     _warn_unmeasured_thresholds(out, collector)
     if collector.violations:
@@ -367,13 +378,38 @@ def _check_uri(path: str, uri: str, c: _Collector) -> str:
         c.fail(path, problem, "§6", f"write an absolute URI, e.g. {_URI_EXAMPLE}")
         return uri
     scheme = parts.scheme.lower()
-    if scheme not in c.schemes:
-        allowed = ", ".join(sorted(c.schemes)) or "none"
-        problem = f"uses scheme {_show(scheme)}, which is not allowed (allowed: {allowed})"
-        c.fail(path, problem, "§12.1", f"use an allowed scheme, e.g. {_URI_EXAMPLE}")
-    for problem, section, fix in _uri_safety_problems(parts, scheme):
+    normalised = scheme + uri[len(parts.scheme) :]
+    allowed = scheme in c.schemes
+    if not allowed:
+        names = ", ".join(sorted(c.schemes)) or "none"
+        problem = f"uses scheme {_show(scheme)}, which is not allowed (allowed: {names})"
+        fix = f"use an allowed scheme, e.g. {_URI_EXAMPLE}, or add it to {_SCHEMES_SETTING}"
+        c.fail(path, problem, "§12.1", fix)
+    unsafe = list(_uri_safety_problems(parts, scheme))
+    for problem, section, fix in unsafe:
         c.fail(path, problem, section, fix)
-    return scheme + uri[len(parts.scheme) :]
+    if allowed and not unsafe:
+        _check_reach(path, normalised, c)
+    return normalised
+
+
+def _check_reach(path: str, uri: str, c: _Collector) -> None:
+    """§12.1: no arbitrary file system access, and no internal hosts, unless a prefix allows."""
+    problem = uris.artifact_reach_problem(uri, c.prefixes)
+    if problem is None:
+        return
+    if c.prefixes:
+        fix = f"use a URI under one of {list(c.prefixes)}, or add its prefix to {_PREFIXES_SETTING}"
+    else:
+        parts = urlsplit(uri)
+        local = parts.scheme == "file"
+        kind = "an object-store URI" if local else "a public storage URI"
+        grant = "file:///data/artifacts/" if local else f"{parts.scheme}://{parts.netloc}/"
+        fix = (
+            f'use {kind}, e.g. {_URI_EXAMPLE}, or allow it with {_PREFIXES_SETTING} = ["{grant}"] '
+            "(every artifact URI must then be under a listed prefix)"
+        )
+    c.fail(path, f"{uri!r} {problem}", "§12.1", fix)
 
 
 def _parse_uri(uri: str) -> tuple[SplitResult | None, str]:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.spec import rules
+from celery_ojs_ml.spec.mlx import DEFAULT_ARTIFACT_SCHEMES
 from celery_ojs_ml.spec.resources import KNOWN_KEYS, MLRequirements
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Configurable upper bounds on what one job may request (OJS ML §15.1)."""
+    """Configurable upper bounds and allow-lists for one job (OJS ML §15, Extensions §12.1).
+
+    Each field is the setting `ojs_ml_<field>` (docs/settings.md).
+    """
 
     max_gpu_count: int = 64
     max_gpu_memory_gb: float = 1024
@@ -43,6 +47,11 @@ class Bounds:
     )
     allowed_model_ids: frozenset[str] | None = None
     protected_label_keys: frozenset[str] = frozenset({"cost_center", "security_zone"})
+    artifact_schemes: frozenset[str] = DEFAULT_ARTIFACT_SCHEMES
+    """Schemes allowed in `ext_mlx_*` URIs (OJS ML Extensions §6, §12.1)."""
+    artifact_prefixes: tuple[str, ...] = ()
+    """When set, every `ext_mlx_*` URI must lie under one; the only way to allow `file://`
+    URIs or internal hosts (OJS ML Extensions §12.1)."""
 
 
 DEFAULT_BOUNDS = Bounds()

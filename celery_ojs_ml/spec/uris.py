@@ -3,14 +3,16 @@
 Key decision: the checks are an allow-list (scheme, then optional prefixes)
 plus a deny-list of the classic attacks: path traversal (also percent-encoded),
 embedded credentials, control characters, and SSRF to loopback, link-local or
-private address literals (OJS ML §15.2-§15.3).
+private address literals (OJS ML §15.2-§15.3). For artifact URIs (OJS ML
+Extensions §12.1) an operator's prefix is the only way to reach a local file or
+an internal host: a prefix is an explicit, reviewed grant, a job is not.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -42,7 +44,7 @@ def uri_problems(
         yield UriProblem("contains a '..' path segment (path traversal)", section)
     if "@" in parts.netloc:
         yield UriProblem("embeds credentials in the authority part", section)
-    if _internal_host(parts.hostname):
+    if internal_host(parts.hostname):
         yield UriProblem(f"points at an internal address {parts.hostname!r} (SSRF)", section)
     if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
         yield UriProblem("is a file URI with a remote host; use file:///absolute/path/", section)
@@ -63,12 +65,47 @@ def checkpoint_problems(
         yield UriProblem(f"is outside the allowed prefixes {list(allowed)}", "OJS ML §15.3")
 
 
+def artifact_reach_problem(uri: str, prefixes: Sequence[str]) -> str | None:
+    """Why `uri` reaches where artifact URIs may not (OJS ML Extensions §12.1); None if fine.
+
+    With `prefixes`, every URI must lie under one of them, and one that does
+    may name a local file or an internal host. Without, `file://` URIs and
+    internal hosts are refused: a job must not pick what a worker reads.
+    """
+    if prefixes:
+        return None if any(under_prefix(uri, p) for p in prefixes) else _NOT_UNDER
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        return _NOT_UNDER
+    if internal_host(parts.hostname):
+        return f"points at an internal address {parts.hostname!r} (SSRF)"
+    return None
+
+
+_NOT_UNDER = "is not under an allowed prefix"
+
+
+def under_prefix(uri: str, prefix: str) -> bool:
+    """Whether `uri` lies under `prefix`, matching whole path segments only.
+
+    `s3://models` admits `s3://models/v1/m.bin` but not `s3://models-evil/m.bin`.
+    """
+    if not prefix or not uri.startswith(prefix):
+        return False
+    return prefix.endswith("/") or len(uri) == len(prefix) or uri[len(prefix)] in "/?#"
+
+
 def _traverses(path: str) -> bool:
     decoded = unquote(unquote(path))
     return any(seg == ".." for seg in decoded.replace("\\", "/").split("/"))
 
 
-def _internal_host(host: str | None) -> bool:
+def internal_host(host: str | None) -> bool:
+    """Whether `host` is loopback, link-local, private or unspecified, or a metadata service.
+
+    Only literals and well-known names are caught here; a public name that
+    resolves to an internal address is the network's egress policy to stop.
+    """
     if not host:
         return False
     if host in ("localhost", "metadata.google.internal"):

@@ -39,7 +39,7 @@ def is_workflow(doc: Any) -> bool:
 def parse_workflow(doc: Mapping[str, Any], options: ParseOptions = DEFAULT_OPTIONS) -> Workflow:
     """Validate every step independently; raise one SpecError with all step violations."""
     kind = doc.get("workflow_type")
-    if kind not in STEP_KEYS:
+    if not isinstance(kind, str) or kind not in STEP_KEYS:  # a list or dict is unhashable
         raise SpecError(
             Violation(
                 "workflow_type",

@@ -3,7 +3,9 @@
 Backfill: held requests are served in strict priority order; a request behind
 a waiting one starts only inside what is left after setting aside the whole
 demand of every waiting request ahead of it (DESIGN invariant 4).
-Victims: lowest band first, newest first, then pruned to a minimal set.
+Victims: lowest band first, newest first, then pruned to a minimal set; a job
+whose `ext_mlx_scheduling_preemption_policy` is `never`, or that was preempted
+`ojs_ml_max_preemptions` times, is not a victim at all.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.allocator import Allocation, Allocator, with_preemption_limits
 from celery_ojs_ml.matching import FreeCapacity
 from tests.allocator.helpers import FakeClock, allocator, hold, job, run, waiting
 
@@ -241,3 +243,69 @@ def test_preemptible_capacity_is_free_capacity_when_nothing_is_preemptible() -> 
         == a.free_capacity()
         == FreeCapacity(gpus=2, cpu_cores=32, memory_gb=256, tpu_chips=None)
     )
+
+
+@pytest.mark.parametrize(
+    ("attrs", "limits", "victims"),
+    [
+        pytest.param(SPOT, {}, ["s"], id="a spot job without a policy is a victim"),
+        pytest.param(
+            SPOT,
+            {"policy": "save_and_retry"},
+            ["s"],
+            id="save_and_retry keeps a spot job a victim",
+        ),
+        pytest.param(
+            SPOT, {"policy": "immediate"}, ["s"], id="immediate keeps a spot job a victim"
+        ),
+        pytest.param(
+            SPOT, {"policy": "never"}, None, id="a job whose policy is never is never a victim"
+        ),
+        pytest.param(
+            {"priority_class": "on-demand"},
+            {"policy": "immediate"},
+            None,
+            id="immediate does not make a job that is not preemptible a victim",
+        ),
+        pytest.param(
+            SPOT,
+            {"preemptions": 2, "max_preemptions": 3},
+            ["s"],
+            id="a job preempted fewer times than the cap is still a victim",
+        ),
+        pytest.param(
+            SPOT,
+            {"preemptions": 3, "max_preemptions": 3},
+            None,
+            id="a job preempted max_preemptions times is no longer a victim",
+        ),
+        pytest.param(
+            SPOT,
+            {"preemptions": 9, "max_preemptions": None},
+            ["s"],
+            id="without a cap a job stays a victim however often it was preempted",
+        ),
+    ],
+)
+def test_a_jobs_preemption_policy_and_count_decide_whether_it_is_a_victim(
+    attrs: dict[str, Any], limits: dict[str, Any], victims: list[str] | None
+) -> None:
+    """OJS ML Extensions §7 (`ext_mlx_scheduling_preemption_policy`) and OJS ML §8.2."""
+    a = allocator(allow_on_demand_preemption=True)
+    run(a, "s", with_preemption_limits(job(gpu_count=4, **attrs), **limits))
+    chosen = a.victims(job(gpu_count=1), "reserved")
+    assert (None if chosen is None else [v.task_id for v in chosen]) == victims
+
+
+def test_a_job_whose_policy_is_never_adds_nothing_to_the_capacity_others_may_preempt() -> None:
+    """Else the worker would subscribe to reserved work it could only run by preempting it."""
+    a = allocator()
+    run(a, "never", with_preemption_limits(job(gpu_count=3, **SPOT), policy="never"))
+    run(a, "spot", job(gpu_count=1, **SPOT))
+    assert a.preemptible_capacity("reserved").gpus == 1
+    assert [x.preemptible for x in a.allocations()] == [False, True]
+
+
+def test_limits_leave_the_requirements_alone_when_nothing_applies() -> None:
+    req = job(gpu_count=1, **SPOT)
+    assert with_preemption_limits(req, policy="save_and_retry", preemptions=1) is req

@@ -71,17 +71,18 @@ def test_an_event_that_cannot_be_sent_does_not_fail_the_save(
     assert meta.sequence == 1
 
 
-def test_the_header_of_a_republished_job_is_used_when_the_store_has_nothing_section_4_4(
+def test_a_header_the_store_has_nothing_of_is_used_when_the_operator_trusts_them_section_4_4(
     file_backend: Backend, store: OJSStore
 ) -> None:
-    header = {"epoch": 42, "loss": 0.0234, "storage_key": "s3://my-bucket/checkpoints/job/3/"}
-    ckpt = Checkpointer(JOB, file_backend.settings(), store, header_last=header)
+    """v0.1 §4.4 short form; by default such a header must be committed (§15.3)."""
+    key = f"{file_backend.storage_uri}{JOB}/3/"
+    header = {"epoch": 42, "loss": 0.0234, "storage_key": key}
+    settings = file_backend.settings(restore="own_directory")
+    ckpt = Checkpointer(JOB, settings, store, header_last=header)
 
     resumed = ckpt.resume()
 
-    assert resumed == CheckpointMeta(
-        job_id=JOB, epoch=42, loss=0.0234, storage_key="s3://my-bucket/checkpoints/job/3/"
-    )
+    assert resumed == CheckpointMeta(job_id=JOB, epoch=42, loss=0.0234, storage_key=key)
 
 
 def test_the_committed_checkpoint_wins_over_the_header_and_resume_from(
@@ -102,7 +103,8 @@ def test_resume_from_names_the_checkpoint_when_nothing_else_exists_extensions_5_
 ) -> None:
     weights = tmp_path / "pretrained.pt"
     weights.write_bytes(b"pretrained weights")
-    ckpt = Checkpointer(JOB, file_backend.settings(), store, resume_from=f"file://{weights}")
+    settings = file_backend.settings(bounds=Bounds(artifact_prefixes=(f"file://{tmp_path}/",)))
+    ckpt = Checkpointer(JOB, settings, store, resume_from=f"file://{weights}")
 
     resumed = ckpt.resume()
 

@@ -14,6 +14,7 @@ from celery_ojs_ml.checkpoint import (
     Checkpointer,
     CheckpointMeta,
     checkpoint,
+    last_checkpoint,
     list_checkpoints,
     register_storage_options,
     request_preemption,
@@ -130,8 +131,36 @@ def test_checkpoint_events_carry_the_task_id_and_never_use_the_task_prefix(
 
 
 def test_the_last_checkpoint_header_of_a_republished_copy_is_resumed_from(
+    app: Celery, file_backend: Backend, store: OJSStore
+) -> None:
+    train = _train_task(app, _ml(file_backend, ext_ml_checkpoint_on_preempt=True))
+    request_preemption(store, JOB, grace_s=30)
+    train.apply(args=(4,), task_id=JOB)
+    committed = last_checkpoint(store, JOB)
+    assert committed is not None
+    header = committed.to_dict()  # what the worker puts on the re-published copy
+
+    result = train.apply(args=(4,), task_id=JOB, headers={"ojs_last_checkpoint": header})
+
+    assert result.get() == [1, 2, 3]
+
+
+def test_a_forged_last_checkpoint_header_makes_the_task_start_from_the_beginning_section_15_3(
     app: Celery, file_backend: Backend
 ) -> None:
+    """OJS ML §15.3: workers MUST NOT restore checkpoints from untrusted sources."""
+    train = _train_task(app, _ml(file_backend))
+    header = {"epoch": 2, "step": 20, "storage_key": f"{file_backend.storage_uri}{JOB}/1/"}
+
+    result = train.apply(args=(4,), task_id=JOB, headers={"ojs_last_checkpoint": header})
+
+    assert result.get() == [0, 1, 2, 3]
+
+
+def test_the_ojs_ml_checkpoint_restore_setting_reaches_the_task(
+    app: Celery, file_backend: Backend
+) -> None:
+    app.conf.ojs_ml_checkpoint_restore = "own_directory"
     train = _train_task(app, _ml(file_backend))
     header = {"epoch": 2, "step": 20, "storage_key": f"{file_backend.storage_uri}{JOB}/1/"}
 
@@ -155,8 +184,9 @@ def test_worker_requests_expose_headers_as_attributes_and_those_are_read(
     app: Celery, file_backend: Backend
 ) -> None:
     """A worker's `Context` carries custom headers as attributes (research §3)."""
+    app.conf.ojs_ml_checkpoint_restore = "own_directory"  # trust the header without a commit
     task = _train_task(app, {})
-    last = {"epoch": 6, "storage_key": "s3://bucket/ckpt/job/4/"}
+    last = {"epoch": 6, "storage_key": f"{file_backend.storage_uri}{JOB}/4/"}
     task.push_request(
         id=JOB,
         ext_ml_checkpoint_storage_uri=file_backend.storage_uri,

@@ -205,6 +205,50 @@ def test_a_syntax_error_after_a_valid_file_still_exits_2(tmp_path: Path) -> None
     assert result.stdout == f"{good}: valid\n"
 
 
+SHADOW_JOB = {"type": "ml.train", "ext_mlx_artifact_model_uri": "file:///etc/shadow"}
+HTTPS_JOB = {"type": "ml.train", "ext_mlx_artifact_model_uri": "https://models.example/m.onnx"}
+
+
+def test_validate_refuses_a_file_artifact_uri_with_the_default_settings_extensions_12_1(
+    tmp_path: Path,
+) -> None:
+    """OJS ML Extensions §12.1: backends MUST NOT allow arbitrary file system access."""
+    path = write(tmp_path, "shadow.json", SHADOW_JOB)
+    result = invoke("validate", path)
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"{path}: ext_mlx_artifact_model_uri 'file:///etc/shadow' is not under an allowed "
+        "prefix (OJS ML Extensions §12.1); use an object-store URI, e.g. "
+        '"s3://bucket/models/v1.0/model.safetensors", or allow it with '
+        'app.conf.ojs_ml_artifact_prefixes = ["file:///data/artifacts/"] '
+        "(every artifact URI must then be under a listed prefix)\n"
+    )
+
+
+def test_validate_with_an_app_uses_its_artifact_settings(tmp_path: Path) -> None:
+    path = write(tmp_path, "https.json", HTTPS_JOB)
+    assert invoke("validate", path).exit_code == 1
+    result = invoke("validate", "-A", "tests.cli.artifactapp:app", path)
+    assert (result.exit_code, result.stdout) == (0, f"{path}: valid\n"), result.stderr
+
+
+def test_validate_under_celery_a_uses_that_apps_settings(tmp_path: Path) -> None:
+    from celery.bin.base import CLIContext
+
+    from tests.cli.artifactapp import app
+
+    path = write(tmp_path, "https.json", HTTPS_JOB)
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=False)
+    result = CliRunner().invoke(cli, ["validate", str(path)], obj=obj, catch_exceptions=False)
+    assert (result.exit_code, result.stdout) == (0, f"{path}: valid\n")
+
+
+def test_validate_with_an_app_that_cannot_be_loaded_is_a_usage_error(tmp_path: Path) -> None:
+    result = invoke("validate", "-A", "celery_ojs_ml.testing:nothing", write(tmp_path, "j", {}))
+    assert result.exit_code == 2
+    assert "cannot load the app 'celery_ojs_ml.testing:nothing'" in result.stderr
+
+
 USAGE: dict[str, list[str]] = {
     "validate without a file": ["validate"],
     "validate with an unknown option": ["validate", "--yaml", "job.json"],

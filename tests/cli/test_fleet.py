@@ -52,6 +52,33 @@ REPORT: dict[str, Any] = {
             "since": NOW - 42.4,
         }
     },
+    "scheduler": {
+        "leader": {"id": "w1@h", "since": NOW - 30.0},
+        "jobs": {
+            "t-big": {
+                "state": "pending",
+                "reason_pending": "reserved: 4 gpu_count free on w1@h at the estimated time",
+                "t_estimate": NOW + 12.3,
+                "worker": "w1@h",
+                "task": "ml.train",
+                "queue": "celery",
+                "band": "on-demand",
+                "priority": 0,
+                "since": NOW - 5.0,
+            },
+            "t-go": {
+                "state": "assigned",
+                "reason_pending": None,
+                "t_estimate": None,
+                "worker": "w2@h",
+                "task": "ml.infer",
+                "queue": "celery",
+                "band": "spot",
+                "priority": 0,
+                "since": NOW - 1.0,
+            },
+        },
+    },
     "errors": [],
     "time": NOW,
 }
@@ -75,6 +102,12 @@ w2@h  not answering (last heartbeat 2.5 s ago; state from the store)  2x nvidia-
   held      none
 
 plain@h  no ojs-ml gate: no ojs-ml gate
+
+scheduler: w1@h leads (for 30 s)
+scheduled jobs: 2
+  t-big  ml.train, band on-demand, starts in ~12 s, reserved on w1@h
+      reason: reserved: 4 gpu_count free on w1@h at the estimated time
+  t-go  assigned to w2@h (ml.infer)
 
 waiting jobs: 1
   t-wait  ml.train, queue celery, band on-demand, waiting 42 s

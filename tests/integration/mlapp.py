@@ -64,6 +64,9 @@ def make_app(broker: str, **conf: Any) -> Celery:
             # a message whose worker died before its lease was written waits for that sweep.
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # A worker SIGKILLed while it holds kombu's restore mutex blocks every sweep
+            # until the mutex expires (300 s by default); the kill test shortens it.
+            "unacked_mutex_expire": float(os.environ.get("OJS_TEST_MUTEX_EXPIRE", "300")),
         },
         result_expires=None,
         worker_hijack_root_logger=False,
@@ -75,7 +78,11 @@ def make_app(broker: str, **conf: Any) -> Celery:
         ojs_ml_max_crashes=int(os.environ.get("OJS_TEST_MAX_CRASHES", "3")),
         ojs_ml_require_pinning=os.environ.get("OJS_TEST_REQUIRE_PINNING") == "1",
         ojs_ml_recycle_gpu_children=os.environ.get("OJS_TEST_RECYCLE", "cuda"),
+        ojs_ml_min_runtime_before_preemption_s=float(os.environ.get("OJS_TEST_MIN_RUNTIME", "60")),
+        ojs_ml_assignment_timeout_s=float(os.environ.get("OJS_TEST_ASSIGN_TIMEOUT", "15")),
+        ojs_ml_leader_ttl_s=float(os.environ.get("OJS_TEST_LEADER_TTL", "5")),
     )
+    app.conf.update(json.loads(os.environ.get("OJS_TEST_CONF", "{}")))  # per-test settings
     app.conf.update(conf)
     OJSML(app)
     _define_tasks(app, results_url)

@@ -105,7 +105,11 @@ def test_a_stalled_copy_cannot_commit_a_checkpoint_after_the_takeover_and_stops(
     assert not final[0].get("done"), "the stalled copy stopped before it finished"
     assert final[-1]["worker"] == "taker@test" and final[-1].get("done"), final
     assert final[-1]["crashes"] >= 1 and final[-1]["start_epoch"] >= 1, final
-    assert leases.get(job.id) is None, "the finished job's lease was released"
+    # The child marks the job done before its worker releases the lease: wait for the release,
+    # then check that no heartbeat writes the lease back.
+    _until(lambda: leases.get(job.id) is None, 20, "the finished job's lease to be released")
+    time.sleep(3.0)  # longer than a heartbeat at lease_ttl_s=2
+    assert leases.get(job.id) is None, "the released lease stayed released"
 
 
 @pytest.mark.timeout(240)

@@ -39,6 +39,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
         "OJS_TEST_CKPT": str(tmp_path / "ckpt"),
         "OJS_TEST_LEASE_TTL": "2",
         "OJS_TEST_VISIBILITY": "5",
+        "OJS_TEST_MUTEX_EXPIRE": "5",
         "OJS_TEST_MAX_CRASHES": "100",
     }
 

@@ -112,14 +112,15 @@ def test_on_rabbitmq_an_ml_job_runs_pinned_on_the_gpu_worker_and_a_plain_job_unt
             app.tasks["ml.record"].apply_async(args=["ml"], headers={"ext_ml_gpu_count": 2})
             app.tasks["plain.add"].apply_async(args=[2, 3])
             records = {r["tag"]: r for r in _results(redis_client, 2)}
-            [cid] = store.classes()
-            class_queue_exists = _exists(amqp_url, f"{queue}.ml.{cid}.on-demand")
+            scheduled_via = [
+                _exists(amqp_url, name) for name in ("ojs.ml.intake", "ojs.ml.w.rmq@test")
+            ]
     finally:
         app.close()
     ml, plain = records["ml"], records["plain"]
     assert ml["worker"] == "rmq@test"
     assert sorted(ml["devices"]) == [0, 1]
     assert ml["cvd"] == ",".join(map(str, ml["devices"])), "CUDA_VISIBLE_DEVICES = allocation"
-    assert class_queue_exists, "the ML job went through its requirement-class queue"
+    assert all(scheduled_via), "the ML job went through the intake and the worker's own queue"
     assert (plain["sum"], plain["queue"]) == (5, queue)
     assert plain["headers"] == [] and plain["cvd"] is None, "plain tasks are untouched"

@@ -40,14 +40,14 @@ def _messages(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
 
 
-def test_an_ml_task_lands_in_its_requirement_class_queue_with_canonical_headers(
+def test_an_ml_task_lands_in_the_scheduler_intake_with_canonical_headers(
     app: Celery, redis_client: redis.Redis
 ) -> None:
     app.tasks["ml.train"].apply_async(args=[{"lr": 0.1}])
     cid = class_id(
         normalize({"ext_ml_gpu_type": "nvidia-a100", "ext_ml_gpu_count": 2}).requirements
     )
-    [msg] = _messages(redis_client, f"celery.ml.{cid}.on-demand")
+    [msg] = _messages(redis_client, "ojs.ml.intake")
     headers = msg["headers"]
     assert headers["ext_ml_gpu_count"] == 2
     assert headers["ext_ml_accelerator"] == "gpu"
@@ -61,8 +61,9 @@ def test_per_call_headers_override_the_task_declaration(
     cid = class_id(
         normalize({"ext_ml_gpu_type": "nvidia-a100", "ext_ml_gpu_count": 4}).requirements
     )
-    [msg] = _messages(redis_client, f"celery.ml.{cid}.on-demand")
+    [msg] = _messages(redis_client, "ojs.ml.intake")
     assert msg["headers"]["ext_ml_gpu_count"] == 4
+    assert msg["headers"]["ojs_class"] == cid
 
 
 def test_an_invalid_requirement_raises_at_apply_async_and_nothing_is_published(
@@ -79,8 +80,7 @@ def test_the_timeout_becomes_the_message_time_limit_section_14_3(
     app: Celery, redis_client: redis.Redis
 ) -> None:
     app.tasks["ml.train"].apply_async(args=[{}], headers={"ext_ml_timeout_seconds": 90})
-    [queue] = [k.decode() for k in redis_client.keys("celery.ml.*")]
-    [msg] = _messages(redis_client, queue)
+    [msg] = _messages(redis_client, "ojs.ml.intake")
     assert msg["headers"]["timelimit"] == [90, None]
 
 

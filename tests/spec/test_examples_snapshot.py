@@ -2,7 +2,9 @@
 
 The example files in examples/jobs/ are the spec's own JSON blocks; a test
 checks they still match the spec text, so the snapshot covers the specs.
-Regenerate snapshots with `OJS_ML_UPDATE_SNAPSHOTS=1 pytest tests/spec`.
+Regenerate snapshots with `OJS_ML_UPDATE_SNAPSHOTS=1 pytest tests/spec`. A
+missing snapshot is written on a developer's machine but fails under CI=true,
+where it can only mean that a new example's snapshot was not committed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +61,19 @@ def test_every_spec_example_is_kept_verbatim_in_examples_jobs(where: str, doc: A
 def test_the_normalised_form_of_each_example_is_stable(path: Path) -> None:
     out = canonical(parse_document(load_text(path.read_text())))
     snap = SNAPSHOTS / f"{path.stem}.json"
+    if not os.environ.get("OJS_ML_UPDATE_SNAPSHOTS") and not snap.exists() and _under_ci():
+        pytest.fail(
+            f"the snapshot {snap} is missing; generate it with "
+            "`OJS_ML_UPDATE_SNAPSHOTS=1 pytest tests/spec` and commit it"
+        )
     if os.environ.get("OJS_ML_UPDATE_SNAPSHOTS") or not snap.exists():
         snap.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     assert out == json.loads(snap.read_text())
+
+
+def _under_ci() -> bool:
+    """CI=true (GitHub Actions, GitLab, most others): a missing snapshot is an error there."""
+    return os.environ.get("CI", "").lower() in ("true", "1")
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=[p.name for p in JOB_FILES])
@@ -69,3 +82,34 @@ def test_normalising_the_normalised_form_changes_nothing(path: Path) -> None:
     for flat in out if isinstance(out, list) else [out]:
         again = canonical(parse_document({"type": "x", **flat}))
         assert again == flat
+
+
+def test_a_missing_snapshot_fails_under_ci_instead_of_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under CI a missing snapshot is a forgotten file, not a baseline to record."""
+    monkeypatch.setattr(sys.modules[__name__], "SNAPSHOTS", tmp_path)
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.delenv("OJS_ML_UPDATE_SNAPSHOTS", raising=False)
+    path = JOB_FILES[0]
+
+    with pytest.raises(pytest.fail.Exception) as info:
+        test_the_normalised_form_of_each_example_is_stable(path)
+
+    assert str(info.value) == (
+        f"the snapshot {tmp_path / (path.stem + '.json')} is missing; generate it with "
+        "`OJS_ML_UPDATE_SNAPSHOTS=1 pytest tests/spec` and commit it"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_snapshot_is_written_outside_ci(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.modules[__name__], "SNAPSHOTS", tmp_path)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("OJS_ML_UPDATE_SNAPSHOTS", raising=False)
+
+    test_the_normalised_form_of_each_example_is_stable(JOB_FILES[0])
+
+    assert [p.name for p in tmp_path.iterdir()] == [f"{JOB_FILES[0].stem}.json"]

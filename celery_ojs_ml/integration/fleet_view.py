@@ -1,0 +1,181 @@
+"""The live scheduler's view of the fleet: store records -> the policy core's values.
+
+Responsibility: turn pending records, live-worker heartbeats and leases into
+`PendingJob` and `WorkerState` for `scheduler.schedule`, and keep the ledger
+of assignments that a worker's last heartbeat cannot show yet.
+
+Key decision: workers report, the scheduler decides. A worker's free
+capacity is what its gate last advertised; capacity the scheduler has
+assigned since then (a message in flight, or a job started after that
+heartbeat) is taken off by the `Ledger` until a heartbeat newer than the
+assignment's settlement shows it. The gate stays the safety net: an
+assignment that no longer fits is given back with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.pending import ASSIGNED, PENDING
+from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
+from celery_ojs_ml.spec.resources import MLRequirements
+
+Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
+"""Message headers -> requirements (the gate's `Admission.requirements`)."""
+
+_FREE = {"gpus": "gpu_count", "cpu_cores": "cpu_cores", "memory_gb": "memory_gb"}
+_AFFINITY = ("pack", "spread", "dedicated")
+
+
+def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> PendingJob | None:
+    """A waiting record as the core's `PendingJob`; None when its headers do not parse."""
+    msg = record.get("msg") or {}
+    meta = record.get("meta") or {}
+    headers = msg.get("headers") or {}
+    req = parse(headers)
+    if req is None:
+        return None
+    affinity = headers.get("ext_mlx_scheduling_gpu_affinity")
+    priority = record.get("priority", meta.get("priority", 0))
+    limit = meta.get("time_limit_s")
+    return PendingJob(
+        task_id=task_id,
+        req=req,
+        priority=int(priority or 0),
+        submitted_at=float(meta.get("submitted_at") or 0.0),
+        time_limit_s=None if limit is None else float(limit),
+        queue=str(meta.get("queue") or "celery"),
+        band=str(meta.get("band") or ""),
+        gpu_affinity=affinity if affinity in _AFFINITY else "pack",
+        labels={"job_type": str(headers.get("task") or "")},
+    )
+
+
+@dataclass
+class _Settled:
+    worker: str
+    demand: Demand
+    since: float
+    """When the scheduler last saw it still assigned (its heartbeat must be newer)."""
+
+
+class Ledger:
+    """Assignments whose capacity the worker's last heartbeat does not show yet."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Settled] = {}
+
+    def assigned(self, task_id: str, worker: str, demand: Demand, now: float) -> None:
+        """The scheduler just assigned `task_id` to `worker`."""
+        self.entries[task_id] = _Settled(worker, demand, now)
+
+    def used(
+        self,
+        records: Mapping[str, Mapping[str, Any]],
+        beats: Mapping[str, float],
+        allocated: Mapping[str, frozenset[str]],
+        now: float,
+    ) -> dict[str, Demand]:
+        """Capacity to take off each worker's advertised free capacity now.
+
+        An entry still assigned counts (refreshing `since`); one that left the
+        assigned state counts until a heartbeat newer than the last time it
+        was seen assigned, and never once the worker reports it allocated.
+        """
+        used: dict[str, Demand] = {}
+        for task_id in list(self.entries):
+            entry = self.entries[task_id]
+            record = records.get(task_id)
+            still = record is not None and record.get("state") == ASSIGNED
+            if still and record is not None and record.get("worker") == entry.worker:
+                entry.since = now
+            elif record is not None and record.get("state") == PENDING:
+                del self.entries[task_id]  # given or taken back
+                continue
+            shown = task_id in allocated.get(entry.worker, frozenset())
+            if not still and (shown or beats.get(entry.worker, 0.0) > entry.since):
+                del self.entries[task_id]
+                continue
+            if shown:
+                continue
+            used[entry.worker] = used.get(entry.worker, Demand()).plus(entry.demand)
+        return used
+
+
+def worker_states(
+    live: Mapping[str, Mapping[str, Any]],
+    leases: list[dict[str, Any]],
+    used: Mapping[str, Demand],
+    parse: Parse,
+    caps_memo: LRU[str, Capabilities],
+    checkpoints: Mapping[str, float] | None = None,
+) -> list[WorkerState]:
+    """Every live worker with its free capacity (less the ledger) and its running jobs.
+
+    `checkpoints` maps a running job to when its last checkpoint was committed.
+    """
+    running: dict[str, list[RunningJob]] = {}
+    for lease in leases:
+        job = _running(lease, parse, (checkpoints or {}).get(str(lease.get("task_id"))))
+        if job is not None:
+            running.setdefault(str(lease.get("worker")), []).append(job)
+    states = []
+    for name, entry in sorted(live.items()):
+        key = name + json.dumps(entry.get("capabilities"), sort_keys=True, default=str)
+        caps = caps_memo.get(key)
+        if caps is None:
+            caps = caps_memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
+        counts = (entry.get("free") or {}).get("free") or {}
+        take = used.get(name, Demand())
+        free = FreeCapacity(
+            gpus=max(0, int(counts.get("gpu_count") or 0) - take.gpus),
+            cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
+            memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
+            tpu_chips=(counts.get("tpu_chip_count") or None),
+        )
+        queues = (entry.get("info") or {}).get("queues")
+        states.append(
+            WorkerState(
+                name,
+                caps,
+                free,
+                frozenset(queues) if queues else frozenset({"celery"}),
+                tuple(running.get(name, ())),
+            )
+        )
+    return states
+
+
+def allocated_ids(live: Mapping[str, Mapping[str, Any]]) -> dict[str, frozenset[str]]:
+    """Task ids each worker's last heartbeat shows allocated (running or starting)."""
+    return {
+        name: frozenset(
+            str(a.get("task_id")) for a in (entry.get("free") or {}).get("allocations") or []
+        )
+        for name, entry in live.items()
+    }
+
+
+def _running(
+    lease: Mapping[str, Any], parse: Parse, checkpoint_at: float | None
+) -> RunningJob | None:
+    headers = lease.get("headers") or {}
+    req = parse(headers)
+    if req is None:
+        return None
+    extra: dict[str, Any] = {"gpus": len(lease.get("devices") or [])}
+    if checkpoint_at is not None:
+        extra["last_checkpoint_at"] = checkpoint_at
+    policy = headers.get("ext_mlx_scheduling_preemption_policy")
+    if isinstance(policy, str):
+        extra["preemption_policy"] = policy
+    return RunningJob.of(
+        str(lease.get("task_id")), req, float(lease.get("started_at") or 0.0), **extra
+    )

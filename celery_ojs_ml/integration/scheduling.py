@@ -1,0 +1,431 @@
+"""The live fleet scheduler (DESIGN decision 9): elected, fed by the intake queue.
+
+Responsibility: one loop that, while it holds the scheduler lock, moves newly
+published ML jobs from the intake queue into the durable pending set, runs the
+pure policy core over the pending set and the fleet, and delivers each
+assignment as the job's own Celery message to the chosen worker's queue.
+
+Key decisions:
+- Every plugin worker runs a candidate in a thread (`ojs_ml_scheduler =
+  "auto"`); `celery ojs-ml scheduler` runs one standalone. The lock in the
+  store has a TTL (`ojs_ml_leader_ttl_s`) renewed by the leader, as
+  celery-redbeat does for beat.
+- A new leader keeps nothing from before: every pass reads the pending set,
+  the live workers and the leases (RFC 27 `hello` is the first pass).
+- The intake queue is an ordinary broker queue, so a job published while no
+  leader runs waits there durably; its message is acked only once it is in
+  the store. Workers put a tiny wake-up message on the same queue when they
+  free capacity, so the loop has one place to block and wakes at once.
+- An assignment is recorded with a fresh token before its message is
+  published; the gate starts the job only while that token is current, and
+  an assignment not started within `ojs_ml_assignment_timeout_s` is taken
+  back (fenced by the token) and reassigned.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+from kombu import Consumer, Producer  # type: ignore[attr-defined]
+
+from celery_ojs_ml.allocator.policy import with_preemption_limits
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.checkpoint import last_checkpoint
+from celery_ojs_ml.integration.admission import Admission, BadMessage
+from celery_ojs_ml.integration.deadletter import dead_letter
+from celery_ojs_ml.integration.fleet_view import (
+    Ledger,
+    allocated_ids,
+    pending_job,
+    worker_states,
+)
+from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
+from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
+from celery_ojs_ml.integration.routing import intake_name, ml_queue
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.pending import ASSIGNED, PendingBook
+from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
+from celery_ojs_ml.spec.resources import MLRequirements
+
+log = logging.getLogger(__name__)
+
+HEADER_ASSIGN = "ojs_assign"
+HEADER_VICTIMS = "ojs_victims"
+HEADER_WAKE = "ojs_wake"
+_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
+
+
+def worker_queue_name(prefix: str, worker: str) -> str:
+    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
+    return f"{prefix}.ml.w.{worker}"
+
+
+def send_wake(app: Any, worker: str) -> None:
+    """Tell the scheduler that `worker` freed capacity (a message on the intake queue)."""
+    name = intake_name(app.ojs_ml.settings.store_prefix)
+    with app.producer_or_acquire() as producer:
+        producer.publish(
+            {"worker": worker},
+            exchange=name,
+            routing_key=name,
+            headers={HEADER_WAKE: worker},
+            declare=[ml_queue(name)],
+            serializer="json",
+            retry=False,
+        )
+
+
+class FleetScheduler:
+    """One candidate for the scheduler lock; `run()` loops until `stop()`."""
+
+    def __init__(self, app: Any, candidate: str | None = None) -> None:
+        self.app = app
+        plugin = app.ojs_ml
+        s = self.settings = plugin.settings
+        self.store = plugin.store
+        self.book = PendingBook(self.store)
+        self.leases = LeaseBook(self.store, s.lease_ttl_s)
+        self.candidate = candidate or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
+        self.admission = Admission(s.parse_options().bounds, s.max_header_bytes)
+        self.policy = Policy(
+            reservation_depth=s.reservation_depth,
+            min_runtime_before_preemption_s=s.min_runtime_before_preemption_s,
+            allow_on_demand_preemption=s.allow_on_demand_preemption,
+            locality_weight=s.locality_weight,
+        )
+        self.intake = intake_name(s.store_prefix)
+        self.ledger = Ledger()
+        self.memo = Memo()
+        self.caps: LRU[str, Capabilities] = LRU(4096)
+        self.leading_since: float | None = None
+        self._stop = threading.Event()
+        self._dirty = True
+        self._declared: set[str] = set()
+        self._notes: LRU[str, tuple[str, float | None]] = LRU(100_000)
+        self._conn: Any = None
+        self._consumer: Any = None
+        self._producer: Any = None
+        self.passes = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop the loop and give the lock up."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Lead when elected, otherwise stand by; never raises."""
+        renew_every = self.settings.leader_ttl_s / 3
+        renewed = 0.0
+        while not self._stop.is_set():
+            try:
+                now = time.monotonic()
+                if now - renewed >= renew_every or self.leading_since is None:
+                    renewed = now
+                    if not self._campaign():
+                        self._stop.wait(renew_every)
+                        continue
+                self.step(self.settings.scheduler_interval_s)
+            except Exception as exc:
+                log.warning("ojs-ml: scheduler %s: %s", self.candidate, exc, exc_info=True)
+                self._close()
+                self._stop.wait(min(1.0, renew_every))
+        self._resign()
+
+    def _campaign(self) -> bool:
+        leading = self.book.lead(self.candidate, self.settings.leader_ttl_s)
+        if leading and self.leading_since is None:
+            self.leading_since = time.time()
+            self._dirty = True
+            log.warning(
+                "ojs-ml: %s leads the fleet scheduler (hello: %d jobs waiting or assigned)",
+                self.candidate,
+                len(self.book.records()),
+            )
+        elif not leading and self.leading_since is not None:
+            log.warning("ojs-ml: %s lost the scheduler lock", self.candidate)
+            self.leading_since = None
+            self._close()
+        return leading
+
+    def _resign(self) -> None:
+        self._close()
+        if self.leading_since is not None:
+            try:
+                self.book.resign(self.candidate)
+            except Exception as exc:
+                log.debug("ojs-ml: could not resign the scheduler lock: %s", exc)
+            self.leading_since = None
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def step(self, wait_s: float) -> None:
+        """Read the intake (waiting up to `wait_s` for news), then schedule once."""
+        self._connect()
+        assert self._conn is not None
+        try:
+            self._conn.drain_events(timeout=0 if self._dirty else wait_s)
+            while True:  # everything already there, without waiting again
+                self._conn.drain_events(timeout=0)
+        except TimeoutError:
+            pass
+        self.schedule_once()
+
+    def _connect(self) -> None:
+        if self._conn is not None:
+            return
+        conn = self.app.connection_for_write()
+        conn.ensure_connection(max_retries=1)
+        channel = conn.channel()
+        queue = ml_queue(self.intake)
+        consumer: Any = Consumer(channel, queues=[queue], on_message=self._on_message)  # type: ignore[no-untyped-call]
+        consumer.qos(prefetch_count=256)
+        consumer.consume()
+        self._conn, self._consumer = conn, consumer
+        self._producer = Producer(conn.channel())  # type: ignore[no-untyped-call]
+        self._declared = set()
+
+    def _close(self) -> None:
+        conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
+        if conn is not None:
+            try:
+                conn.release()
+            except Exception as exc:
+                log.debug("ojs-ml: closing the scheduler connection: %s", exc)
+
+    def _on_message(self, message: Any) -> None:
+        """An intake message: a job to admit, or a worker's wake-up."""
+        headers = dict(message.headers or {})
+        self._dirty = True
+        if HEADER_WAKE in headers:
+            message.ack()
+            return
+        task_id = headers.get("id")
+        if not isinstance(task_id, str) or not task_id:
+            log.error("ojs-ml: dropping an intake message without a task id: %r", headers)
+            message.ack()
+            return
+        body = message.body if isinstance(message.body, bytes) else str(message.body).encode()
+        try:
+            if self.admission.requirements(dict(headers)) is None:
+                raise BadMessage(
+                    "no ojs_class header: publish ML jobs through the OJSML(app) router"
+                )
+        except BadMessage as exc:
+            self._refuse(task_id, headers, body, str(exc))
+            message.ack()
+            return
+        props = message.properties or {}
+        msg = {
+            "body": base64.b64encode(body).decode(),
+            "content_type": message.content_type,
+            "content_encoding": message.content_encoding,
+            "headers": headers,
+            "properties": {k: props[k] for k in _PROPERTIES if props.get(k) is not None},
+        }
+        self.book.admit(task_id, self._meta(headers, props), msg)
+        message.ack()
+
+    def _refuse(self, task_id: str, headers: dict[str, Any], body: bytes, reason: str) -> None:
+        """An intake message no worker may run: dead-letter it and fail it, with the reason."""
+        log.error("ojs-ml: refusing %s at intake: %s", task_id, reason)
+        try:
+            args, kwargs = json.loads(body)[:2]
+        except Exception:
+            args, kwargs = [], {}
+        record = {
+            "task_id": task_id,
+            "name": headers.get("task"),
+            "args": args if isinstance(args, list) else [],
+            "kwargs": kwargs if isinstance(kwargs, dict) else {},
+            "headers": republish_headers(headers) if len(repr(headers)) < 65536 else {},
+            "retries": 0,
+        }
+        try:
+            dead_letter(self.store, record, f"refused by the scheduler: {reason}")
+            self.app.backend.mark_as_failure(task_id, BadMessage(reason), request=None)
+        except Exception as exc:
+            log.warning("ojs-ml: while refusing %s: %s", task_id, exc)
+
+    def _meta(self, headers: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
+        limit = headers.get("ext_ml_timeout_seconds")
+        timelimit = headers.get("timelimit")
+        if not isinstance(limit, int | float) and isinstance(timelimit, list | tuple):
+            limit = next((t for t in timelimit if isinstance(t, int | float)), None)
+        return {
+            "task": headers.get("task"),
+            "queue": headers.get("ojs_logical_queue") or "celery",
+            "band": headers.get("ojs_band") or "",
+            "priority": props.get("priority") or 0,
+            "submitted_at": time.time(),
+            "time_limit_s": limit,
+        }
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def parse(self, headers: Any) -> MLRequirements | None:
+        """The requirements of a job's headers, validated with the app's bounds."""
+        try:
+            return self.admission.requirements(dict(headers))
+        except BadMessage as exc:
+            log.error("ojs-ml: the scheduler cannot parse a job: %s", exc)
+            return None
+
+    def parse_running(self, headers: Any) -> MLRequirements | None:
+        """The requirements of a running job's lease headers."""
+        try:
+            req = self.admission.parse(dict(headers))
+            return with_preemption_limits(
+                req,
+                policy=policy_of(headers),
+                preemptions=preemptions_of(headers),
+                max_preemptions=self.settings.max_preemptions,
+            )
+        except BadMessage as exc:
+            log.error("ojs-ml: the scheduler cannot parse a running job: %s", exc)
+            return None
+
+    def schedule_once(self) -> Decision:
+        """Take back stale assignments, run the policy core, assign, annotate."""
+        self._dirty = False
+        now = time.time()
+        records = self.book.records()
+        live = self.store.live_workers()
+        self._take_back(records, live, now)
+        beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
+        used = self.ledger.used(records, beats, allocated_ids(live), now)
+        leases = self.leases.all()
+        fleet = worker_states(
+            live, leases, used, self.parse_running, self.caps, self._checkpoints(leases)
+        )
+        waiting: list[PendingJob] = []
+        for task_id, record in records.items():
+            if record.get("state") == "pending":
+                job = pending_job(task_id, record, self.parse)
+                if job is not None:
+                    waiting.append(job)
+        decision = schedule(waiting, fleet, now, self.policy, memo=self.memo)
+        jobs = {j.task_id: j for j in waiting}
+        for a in decision.assignments:
+            self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
+        for p in decision.preemptions:
+            self._deliver(p.task_id, p.worker, records[p.task_id], jobs[p.task_id], p.victims, now)
+        self._annotate(decision)
+        self.passes += 1
+        return decision
+
+    def _take_back(
+        self, records: dict[str, dict[str, Any]], live: dict[str, Any], now: float
+    ) -> None:
+        timeout = self.settings.assignment_timeout_s
+        for task_id, record in records.items():
+            if record.get("state") != ASSIGNED:
+                continue
+            worker = str(record.get("worker"))
+            due = max(
+                float(record.get("assigned_at") or 0.0) + timeout,
+                float(record.get("hold_until") or 0.0),
+            )
+            gone = worker not in live
+            if (gone or now > due) and self._finished(task_id):
+                self.book.cancel(task_id)  # revoked (or done) while assigned: nothing to run
+                record["state"] = "gone"
+                continue
+            if gone or now > due:
+                why = f"worker {worker} {'left' if gone else 'did not start it in time'}"
+                if self.book.take_back(task_id, str(record.get("token")), why):
+                    log.warning("ojs-ml: took back %s from %s (%s)", task_id, worker, why)
+                    record["state"] = "pending"
+                    self._dirty = True
+
+    def _checkpoints(self, leases: list[dict[str, Any]]) -> dict[str, float]:
+        """When each running checkpointing job last committed a checkpoint (OJS ML §9)."""
+        found: dict[str, float] = {}
+        for lease in leases:
+            if not (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled"):
+                continue
+            task_id = str(lease.get("task_id"))
+            try:
+                meta = last_checkpoint(self.store, task_id)
+                if meta is not None and meta.created_at:
+                    stamp = meta.created_at.replace("Z", "+00:00")
+                    found[task_id] = datetime.fromisoformat(stamp).timestamp()
+            except Exception as exc:
+                log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
+        return found
+
+    def _finished(self, task_id: str) -> bool:
+        """Whether the result backend says the job was revoked or already ended."""
+        if type(self.app.backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            return self.app.AsyncResult(task_id).state in ("REVOKED", "SUCCESS", "FAILURE")
+        except Exception:
+            return False
+
+    def _deliver(
+        self,
+        task_id: str,
+        worker: str,
+        record: dict[str, Any],
+        job: PendingJob,
+        victims: tuple[str, ...],
+        now: float,
+    ) -> None:
+        token = self.book.assign(task_id, worker, now=now, victims=victims)
+        if token is None:
+            return
+        from celery_ojs_ml.allocator.model import Demand
+
+        self.ledger.assigned(task_id, worker, Demand.of(job.req), now)
+        msg = record["msg"]
+        headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
+        headers.pop("ojs_pending", None)
+        name = worker_queue_name(self.settings.store_prefix, worker)
+        queue = ml_queue(name)
+        assert self._producer is not None
+        self._producer.publish(
+            base64.b64decode(msg["body"]),
+            exchange=name,
+            routing_key=name,
+            headers=headers,
+            content_type=msg.get("content_type") or "application/json",
+            content_encoding=msg.get("content_encoding") or "utf-8",
+            declare=[] if name in self._declared else [queue],
+            **msg.get("properties", {}),
+        )
+        self._declared.add(name)
+        what = f"preempting {', '.join(victims)}" if victims else "to start"
+        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    def _annotate(self, decision: Decision) -> None:
+        changed: dict[str, tuple[str, float | None, str | None]] = {}
+        events = []
+        for task_id, note in decision.annotations.items():
+            key = (note.reason_pending, note.t_estimate)
+            if self._notes.get(task_id) == key:
+                continue
+            first = task_id not in self._notes
+            self._notes[task_id] = key
+            changed[task_id] = (note.reason_pending, note.t_estimate, note.worker)
+            if first:
+                events.append(note)
+        self.book.annotate(changed)
+        if events:
+            with self.app.events.default_dispatcher() as dispatcher:
+                for note in events:
+                    dispatcher.send(
+                        "ojs-resource-waiting",
+                        uuid=note.task_id,
+                        reason=note.reason_pending,
+                        t_estimate=note.t_estimate,
+                        worker=note.worker,
+                    )

@@ -1,0 +1,292 @@
+"""The durable pending set and its assignments (DESIGN decision 9): one record per job.
+
+Responsibility: the store side of the fleet scheduler. A job with hard
+constraints is admitted here (its Celery message kept as it was published),
+waits with RFC 27 annotations, is assigned to one worker with a fresh token,
+and is started by that worker's gate only if the token is still current.
+
+Key decisions:
+- One hash per job, so every state change is one WATCH/MULTI transaction on
+  one key (no Lua: fakeredis in the embedded demo evaluates none).
+- States: `pending` -> `assigned` (worker, token, at) -> `started` (a
+  tombstone kept for a day, so a late duplicate delivery is recognised) or
+  back to `pending` (returned by the gate, or taken back after
+  `ojs_ml_assignment_timeout_s`). A gate whose token is no longer current
+  drops its copy: a lost or stuck delivery neither loses the job nor runs it
+  twice.
+- The leader lock is a plain `SET NX PX` renewed by its holder only (as
+  celery-redbeat's lock): another candidate takes over when it expires.
+
+Layout (prefix `ojs`):
+    ojs:{ml}:pjob:<task id>     hash  state, msg, meta, worker, token, assigned_at, reason, ...
+    ojs:{ml}:pjobs              zset  task id -> admitted at (waiting or assigned jobs)
+    ojs:{ml}:scheduler:leader   string  JSON {id, since}, PX = ojs_ml_leader_ttl_s
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import redis
+
+from celery_ojs_ml.store import OJSStore
+
+PENDING, ASSIGNED, STARTED = "pending", "assigned", "started"
+TOMBSTONE_S = 86400
+_RETRIES = 16
+_JSON_FIELDS = ("msg", "meta", "annotation", "victims")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _text(key)
+        text = _text(value)
+        record[name] = json.loads(text) if name in _JSON_FIELDS else text
+    return record
+
+
+class PendingBook:
+    """Pending jobs, assignments and the scheduler lock of one store."""
+
+    def __init__(self, store: OJSStore) -> None:
+        self.store = store
+        self._r = store.client
+        self._index = store.key("pjobs")
+        self._leader = store.key("scheduler", "leader")
+
+    def _key(self, task_id: str) -> str:
+        return self.store.key("pjob", task_id)
+
+    # -- admission ------------------------------------------------------------------------
+
+    def admit(self, task_id: str, meta: dict[str, Any], msg: dict[str, Any]) -> bool:
+        """Add a job (its message and metadata); False when it is already known.
+
+        A job re-published under the same id (a crash or preemption) is admitted
+        again only once its earlier record was started or is gone.
+        """
+        key = self._key(task_id)
+
+        def txn(pipe: Any) -> bool:
+            state = pipe.hget(key, "state")
+            if state is not None and _text(state) != STARTED:
+                return False
+            pipe.multi()
+            pipe.delete(key)
+            pipe.hset(
+                key,
+                mapping={
+                    "state": PENDING,
+                    "msg": json.dumps(msg),
+                    "meta": json.dumps(meta),
+                    "admitted_at": repr(self.store._clock()),
+                },
+            )
+            pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
+            return True
+
+        return bool(self._transaction(key, txn))
+
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        """The record of one job (any state), or None."""
+        raw = self._r.hgetall(self._key(task_id))
+        return _decode(raw) if raw else None
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every waiting or assigned job: `{task_id: record}`, in admission order."""
+        ids = [_text(i) for i in self._r.zrange(self._index, 0, -1)]
+        if not ids:
+            return {}
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id in ids:
+                pipe.hgetall(self._key(task_id))
+            raws = pipe.execute()
+        found: dict[str, dict[str, Any]] = {}
+        gone: list[str] = []
+        for task_id, raw in zip(ids, raws, strict=True):
+            record = _decode(raw) if raw else None
+            if record is None or record.get("state") == STARTED or "msg" not in record:
+                gone.append(task_id)
+            else:
+                found[task_id] = record
+        if gone:
+            self._r.zrem(self._index, *gone)
+        return found
+
+    # -- assignment, start and return ----------------------------------------------------
+
+    def assign(
+        self,
+        task_id: str,
+        worker: str,
+        *,
+        now: float,
+        victims: Iterable[str] = (),
+    ) -> str | None:
+        """`pending` -> `assigned` to `worker` with a fresh token; None if not pending."""
+        token = uuid.uuid4().hex
+        fields = {
+            "state": ASSIGNED,
+            "worker": worker,
+            "token": token,
+            "assigned_at": repr(now),
+            "victims": json.dumps(list(victims)),
+        }
+        ok = self._cas(task_id, lambda r: r.get("state") == PENDING, fields)
+        return token if ok else None
+
+    def start(self, task_id: str, token: str, worker: str) -> str:
+        """The gate starts the job: "ok", "stale" (another assignment is current) or "unknown".
+
+        "unknown" (no record: the store lost it) lets the gate run the job: the
+        message is the only copy left.
+        """
+        key = self._key(task_id)
+
+        def txn(pipe: Any) -> str:
+            raw = pipe.hgetall(key)
+            if not raw:
+                return "unknown"
+            record = _decode(raw)
+            if record.get("state") != ASSIGNED or record.get("token") != token:
+                return "stale"
+            pipe.multi()
+            pipe.hset(key, mapping={"state": STARTED, "started_at": repr(self.store._clock())})
+            pipe.hdel(key, "msg")
+            pipe.expire(key, TOMBSTONE_S)
+            pipe.zrem(self._index, task_id)
+            return "ok"
+
+        return str(self._transaction(key, txn))
+
+    def give_back(self, task_id: str, token: str, reason: str) -> bool:
+        """`assigned` (with this token) -> `pending` with a reason; the gate could not run it."""
+        fields = {"state": PENDING, "reason": reason, "returned_by": ""}
+        return self._cas(
+            task_id,
+            lambda r: r.get("state") == ASSIGNED and r.get("token") == token,
+            fields,
+            drop=("token", "worker", "assigned_at"),
+        )
+
+    def take_back(self, task_id: str, token: str, reason: str) -> bool:
+        """The scheduler takes back an assignment its worker did not start (fenced by token)."""
+        return self.give_back(task_id, token, reason)
+
+    def annotate(self, notes: Mapping[str, tuple[str, float | None, str | None]]) -> None:
+        """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip."""
+        if not notes:
+            return
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id, (reason, t_est, worker) in notes.items():
+                note = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
+                pipe.hset(self._key(task_id), "annotation", json.dumps(note))
+            pipe.execute()
+
+    def cancel(self, task_id: str) -> bool:
+        """RFC 27 cancel: drop a job that no worker has started; True if it was waiting."""
+        key = self._key(task_id)
+
+        def txn(pipe: Any) -> bool:
+            state = pipe.hget(key, "state")
+            if state is None or _text(state) == STARTED:
+                return False
+            pipe.multi()
+            pipe.delete(key)
+            pipe.zrem(self._index, task_id)
+            return True
+
+        return bool(self._transaction(key, txn))
+
+    def prioritize(self, task_id: str, priority: int) -> bool:
+        """RFC 27 prioritize: a waiting job's priority; True if the job waits."""
+        return self._cas(
+            task_id, lambda r: r.get("state") == PENDING, {"priority": str(int(priority))}
+        )
+
+    # -- the scheduler lock ----------------------------------------------------------------
+
+    def lead(self, candidate: str, ttl_s: float) -> bool:
+        """Take or renew the scheduler lock; True while `candidate` holds it."""
+        ms = max(1, round(ttl_s * 1000))
+        mine = self.leader()
+        if mine is not None and mine.get("id") == candidate:
+            value = json.dumps(mine)
+
+            def txn(pipe: Any) -> bool:
+                if _text(pipe.get(self._leader) or b"") != value:
+                    return False
+                pipe.multi()
+                pipe.pexpire(self._leader, ms)
+                return True
+
+            return bool(self._transaction(self._leader, txn))
+        record = json.dumps({"id": candidate, "since": self.store._clock()})
+        return bool(self._r.set(self._leader, record, nx=True, px=ms))
+
+    def resign(self, candidate: str) -> None:
+        """Give the lock up at once (a clean shutdown), if `candidate` holds it."""
+        mine = self.leader()
+        if mine is not None and mine.get("id") == candidate:
+            value = json.dumps(mine)
+
+            def txn(pipe: Any) -> None:
+                if _text(pipe.get(self._leader) or b"") == value:
+                    pipe.multi()
+                    pipe.delete(self._leader)
+
+            self._transaction(self._leader, txn)
+
+    def leader(self) -> dict[str, Any] | None:
+        """`{id, since}` of the current scheduler, or None."""
+        raw = self._r.get(self._leader)
+        if raw is None:
+            return None
+        value = json.loads(_text(raw))
+        return value if isinstance(value, dict) else None
+
+    # -- transactions ------------------------------------------------------------------------
+
+    def _cas(
+        self,
+        task_id: str,
+        test: Any,
+        fields: dict[str, str],
+        drop: tuple[str, ...] = (),
+    ) -> bool:
+        key = self._key(task_id)
+
+        def txn(pipe: Any) -> bool:
+            raw = pipe.hgetall(key)
+            if not raw or not test(_decode(raw)):
+                return False
+            pipe.multi()
+            pipe.hset(key, mapping=fields)
+            if drop:
+                pipe.hdel(key, *drop)
+            return True
+
+        return bool(self._transaction(key, txn))
+
+    def _transaction(self, key: str, body: Any) -> Any:
+        """Run `body(pipe)` under WATCH `key`; retried when another client changed the key."""
+        for _ in range(_RETRIES):
+            with self._r.pipeline(transaction=True) as pipeline:
+                pipe: Any = pipeline
+                try:
+                    pipe.watch(key)
+                    result = body(pipe)
+                    if pipe.explicit_transaction:
+                        pipe.execute()
+                    return result
+                except redis.WatchError:
+                    continue
+        raise redis.RedisError(f"{key} kept changing under {_RETRIES} transactions; retry")

@@ -1,0 +1,107 @@
+"""`reason_pending` for waiting jobs, in the words of matching's one formatter.
+
+Key decision: the reason is built once the pass is over, from the fleet as the
+pass leaves it, so it explains the state the job will actually wait in. Every
+worker contributes one `MatchResult` (shared by all workers of a group in the
+same shape) to `matching.pending_message`; the scheduler only adds results for
+what matching cannot see: a queue the worker does not consume, a worker that is
+away, capacity reserved for a job ahead (`reserved for <task id>`), and a
+dedicated job facing a busy worker. Messages are cached per class and per
+outcome on the reserved workers, so 10,000 waiting jobs format a handful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from celery_ojs_ml.matching import MatchResult, Reason, Verdict, pending_message
+from celery_ojs_ml.scheduler.fleet import FleetView, Group
+from celery_ojs_ml.scheduler.order import Ask
+from celery_ojs_ml.scheduler.slot import Slot
+
+
+def queue_reason(queue: str) -> Reason:
+    """The worker does not consume the job's logical queue."""
+    return Reason("queue", queue, None, None, Verdict.NEVER, "queue {r} not consumed")
+
+
+def away_reason() -> Reason:
+    """The worker has missed its heartbeat; it may come back."""
+    return Reason("worker", "available", "away", None, Verdict.WAIT, "worker away")
+
+
+def reserved_reason(holder: str) -> Reason:
+    """The free capacity is reserved for a job ahead and this job cannot backfill it."""
+    text = "reserved for " + holder.replace("{", "{{").replace("}", "}}")
+    return Reason("reservation", None, holder, None, Verdict.WAIT, text)
+
+
+def dedicated_reason() -> Reason:
+    """A dedicated job needs a worker with nothing running, and keeps it to itself."""
+    return Reason("gpu_affinity", "dedicated", "busy", None, Verdict.WAIT, "worker busy, dedicated")
+
+
+class Annotator:
+    """Builds and caches pending messages for one pass (see module doc)."""
+
+    def __init__(self, view: FleetView) -> None:
+        self.view = view
+        self._messages: dict[Hashable, str] = {}
+
+    def reason(self, ask: Ask) -> str:
+        """The pending message of a waiting job."""
+        job = ask.job
+        outcomes = tuple(self._reserved_outcomes(ask))
+        key = (job.class_key, job.queue, job.gpu_affinity, outcomes)
+        hit = self._messages.get(key)
+        if hit is None:
+            hit = self._messages[key] = pending_message(self._results(ask))
+        return hit
+
+    def _reserved_outcomes(self, ask: Ask) -> list[tuple[int, bool, bool]]:
+        """(worker, may backfill, holds it) for each reserved worker the job could fit now."""
+        out = []
+        for group in self.view.eligible(ask.job):
+            for i in group.reserved:
+                slot = self.view.slots[i]
+                if self._fits(ask, group, slot):
+                    mine = slot.first_holder() == ask.job.task_id
+                    out.append((i, self.view.may_backfill(ask, slot), mine))
+        return out
+
+    def _fits(self, ask: Ask, group: Group, slot: Slot) -> bool:
+        found = self.view.verdict(ask.job, group, slot.shape())
+        return found.verdict is Verdict.FITS and not (ask.dedicated and not slot.idle)
+
+    def _results(self, ask: Ask) -> list[MatchResult]:
+        out: list[MatchResult] = []
+        for group in self.view.groups:
+            if ask.job.queue not in group.queues:
+                ever = self.view.memo.ever(ask.job, group.caps_key, group.caps)
+                found = MatchResult(Verdict.NEVER, (queue_reason(ask.job.queue), *ever.reasons))
+                out += [found] * (len(group.members) + len(group.away))
+                continue
+            for members in group.buckets.values():
+                first = self.view.slots[next(iter(members))]
+                out += [self._at(ask, group, first)] * len(members)
+            slots = [self.view.slots[i] for i in group.members]
+            out += [self._at(ask, group, x) for x in slots if x.closed or x.idx in group.reserved]
+            out += [self._away(ask, group, self.view.slots[i]) for i in group.away]
+        return out
+
+    def _at(self, ask: Ask, group: Group, slot: Slot) -> MatchResult:
+        found = self.view.verdict(ask.job, group, slot.shape())
+        if found.verdict is not Verdict.FITS:
+            return found
+        if slot.closed or (ask.dedicated and not slot.idle):
+            return MatchResult(Verdict.WAIT, (dedicated_reason(),))
+        holder = slot.first_holder()
+        if holder is None or holder == ask.job.task_id or self.view.may_backfill(ask, slot):
+            return found
+        return MatchResult(Verdict.WAIT, (reserved_reason(holder),))
+
+    def _away(self, ask: Ask, group: Group, slot: Slot) -> MatchResult:
+        found = self.view.verdict(ask.job, group, slot.shape())
+        if found.verdict is Verdict.NEVER:
+            return found
+        return MatchResult(Verdict.WAIT, (*found.reasons, away_reason()))

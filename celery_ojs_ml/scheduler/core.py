@@ -1,0 +1,253 @@
+"""`schedule(pending, fleet, now)`: one pass of the fleet policy, pure and clock-injected.
+
+Key decision: jobs are decided one at a time in fleet order, each against the
+fleet as the jobs before it left it, with four outcomes tried in turn:
+
+1. **start now** on the best-scoring worker where it fits and, on a reserved
+   worker, only if it leaves the reservation its capacity (backfill);
+2. **preempt** lower-band work (only when it fits nowhere now);
+3. **reserve** the worker where it can start soonest, for the first
+   `reservation_depth` jobs that get this far, so nothing behind them can
+   delay their start (Slurm's reservation plus backfill);
+4. **estimate** its start for everyone else, as a shadow reservation that
+   later estimates respect but backfill does not.
+
+The pass keeps nothing: the next one recomputes reservations from the fleet
+it is given. `Planner` is the same pass one job at a time, for callers that
+stop early or time each decision (the benchmark).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from celery_ojs_ml.scheduler.annotate import Annotator
+from celery_ojs_ml.scheduler.estimate import Estimator
+from celery_ojs_ml.scheduler.fleet import FleetView, Memo
+from celery_ojs_ml.scheduler.model import (
+    DEFAULT_POLICY,
+    Annotation,
+    Assignment,
+    Decision,
+    Denial,
+    PendingJob,
+    Policy,
+    Preemption,
+    Reservation,
+    RunningJob,
+    WorkerState,
+)
+from celery_ojs_ml.scheduler.order import Ask, in_order
+from celery_ojs_ml.scheduler.preempt import Preemptor
+from celery_ojs_ml.scheduler.score import PlacementScore, Workload
+from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
+from celery_ojs_ml.scheduler.vectors import sum_of
+from celery_ojs_ml.spec.resources import MLRequirements
+
+
+def schedule(
+    pending: Iterable[PendingJob],
+    fleet: Sequence[WorkerState],
+    now: float,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    memo: Memo | None = None,
+) -> Decision:
+    """Decide every pending job once, in fleet order (see module doc)."""
+    ordered = in_order(pending)
+    planner = Planner(fleet, now, policy, pending=ordered, memo=memo)
+    for job in ordered:
+        planner.decide(job)
+    return planner.decision()
+
+
+def names_worker(req: MLRequirements) -> bool:
+    """Whether a hard constraint names the `worker_id` label (then workers are not grouped)."""
+    if req.ext_ml_node_selector and "worker_id" in req.ext_ml_node_selector:
+        return True
+    specs = (req.ext_ml_affinity, req.ext_ml_anti_affinity)
+    return any(r.key == "worker_id" for s in specs if s for r in s.required)
+
+
+class _Waiting:
+    """A job left waiting, with what its annotation needs."""
+
+    __slots__ = ("ask", "deny", "note", "t_estimate", "worker")
+
+    def __init__(self, ask: Ask, t: float | None, worker: str | None, note: str = "") -> None:
+        self.ask, self.t_estimate, self.worker, self.note = ask, t, worker, note
+        self.deny = False
+
+
+class Planner:
+    """One pass, one job at a time; feed jobs in fleet order, then take the `decision`."""
+
+    def __init__(
+        self,
+        fleet: Sequence[WorkerState],
+        now: float,
+        policy: Policy = DEFAULT_POLICY,
+        *,
+        pending: Sequence[PendingJob] = (),
+        memo: Memo | None = None,
+    ) -> None:
+        self.now, self.policy = now, policy
+        largest = max((w.caps.gpu_count for w in fleet), default=0)
+        workload = Workload.of((j.req.ext_ml_gpu_count or 0 for j in pending), largest)
+        exact = any(names_worker(j.req) for j in pending)
+        self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
+        self.estimator = Estimator(self.view)
+        self.preemptor = Preemptor(self.view)
+        young = replace(policy, min_runtime_before_preemption_s=0.0)
+        self._later = Preemptor(self.view, young)  # plans that wait for victims to age
+        self._later_at: dict[tuple[str, str, str, str], float | None] = {}
+        self._inflight = _inflight(self.view.slots)
+        self._assignments: list[Assignment] = []
+        self._reservations: list[Reservation] = []
+        self._preemptions: list[Preemption] = []
+        self._waiting: list[_Waiting] = []
+        self._reserved = 0
+
+    def decide(self, job: PendingJob) -> None:
+        """Assign, preempt for, reserve for or estimate `job` (see module doc)."""
+        ask = Ask.of(job, self.now)
+        found = self.view.fit_now(ask)
+        if found is not None:
+            self._assign(ask, *found)
+        elif not any(g.members for g in self.view.eligible(job)):
+            self._unplaceable(ask)
+        elif not (self._await_victims(ask) or self._preempt(ask)):
+            self._reserve_or_estimate(ask)
+
+    def _assign(self, ask: Ask, slot: Slot, score: PlacementScore) -> None:
+        self.view.assign(ask, slot)
+        self._assignments.append(Assignment(ask.job.task_id, slot.name, score.total))
+
+    def _unplaceable(self, ask: Ask) -> None:
+        """No available worker could ever run it: wait (a worker may come) or deny."""
+        waiting = _Waiting(ask, None, None)
+        known = any(g.away for g in self.view.eligible(ask.job))
+        waiting.deny = self.policy.deny_unsatisfiable and not known
+        self._waiting.append(waiting)
+
+    def _await_victims(self, ask: Ask) -> bool:
+        """A preemption for this job is in flight: pass it what its victims free."""
+        inflight = self._inflight.get(ask.job.task_id)
+        if inflight is None:
+            return False
+        slot, victims = inflight
+        freed = sum_of(running_vec(v) for v in victims)
+        if not slot.state.available or not self.view.claim(ask, slot, freed):
+            return False
+        self._preempting(ask, slot, tuple(v.task_id for v in victims))
+        return True
+
+    def _preempt(self, ask: Ask) -> bool:
+        plan = self.preemptor.plan(ask)
+        if plan is None:
+            return False
+        slot = plan.slot
+        if not self.view.claim(ask, slot, sum_of(running_vec(v) for v in plan.victims)):
+            return False
+        slot.preempt(list(plan.victims))
+        self.estimator.refresh(slot)
+        victims = tuple(v.task_id for v in plan.victims)
+        self._preemptions.append(Preemption(ask.job.task_id, slot.name, victims))
+        self._preempting(ask, slot, victims)
+        return True
+
+    def _preempting(self, ask: Ask, slot: Slot, victims: tuple[str, ...]) -> None:
+        note = f"preempting {', '.join(victims)} on {slot.name}"
+        start = self.now + self.policy.preemption_grace_s
+        self._waiting.append(_Waiting(ask, start, slot.name, note))
+
+    def _reserve_or_estimate(self, ask: Ask) -> None:
+        firm = self._reserved < self.policy.reservation_depth
+        found = self.estimator.exact(ask) if firm else self.estimator.soonest(ask)
+        preemptible_at = self._preemptible_at(ask)  # before its own hold makes the worker taken
+        if firm:
+            self._reserved += 1
+            self._reserve(ask, found)
+        elif found is not None:
+            start, slot = found
+            self._hold(ask, slot, start, "shadow")
+            self._waiting.append(_Waiting(ask, start, None))
+        else:
+            self._waiting.append(_Waiting(ask, None, None))
+        waiting = self._waiting[-1]
+        waiting.t_estimate = _sooner(waiting.t_estimate, preemptible_at)
+
+    def _preemptible_at(self, ask: Ask) -> float | None:
+        """When victims now too young would let the job preempt, plus the grace period."""
+        job = ask.job
+        key = (job.class_key, job.queue, job.band, job.gpu_affinity)
+        if key not in self._later_at:
+            plan = self._later.plan(ask)
+            age = self.policy.min_runtime_before_preemption_s
+            aged = None if plan is None else max(v.started_at + age for v in plan.victims)
+            self._later_at[key] = (
+                None if aged is None else max(aged, self.now) + self.policy.preemption_grace_s
+            )
+        return self._later_at[key]
+
+    def _reserve(self, ask: Ask, found: tuple[float, Slot] | None) -> None:
+        """A firm reservation; with no known start, hold the worker that lacks least now."""
+        start: float | None
+        if found is not None:
+            start, slot = found
+        else:
+            start, drain = None, self.estimator.drain_target(ask)
+            if drain is None:
+                self._waiting.append(_Waiting(ask, None, None))
+                return
+            slot = drain
+        self._hold(ask, slot, self.now if start is None else start, "reserve")
+        self._reservations.append(Reservation(ask.job.task_id, slot.name, start))
+        self._waiting.append(_Waiting(ask, start, slot.name))
+
+    def _hold(self, ask: Ask, slot: Slot, start: float, kind: HoldKind) -> None:
+        limit = ask.job.time_limit_s
+        end = None if limit is None else start + limit
+        amount = self.estimator.need(ask, slot)
+        self.view.hold(slot, Hold(ask.job.task_id, ask.order, start, end, amount, kind))
+
+    def decision(self) -> Decision:
+        """What the pass decided, with every waiting job annotated."""
+        annotator = Annotator(self.view)
+        annotations: dict[str, Annotation] = {}
+        denials: list[Denial] = []
+        for w in self._waiting:
+            reason = annotator.reason(w.ask)
+            if w.deny:
+                denials.append(Denial(w.ask.job.task_id, reason))
+                continue
+            if w.note:
+                reason = f"{reason}; {w.note}"
+            annotations[w.ask.job.task_id] = Annotation(
+                w.ask.job.task_id, reason, w.t_estimate, w.worker
+            )
+        return Decision(
+            tuple(self._assignments),
+            annotations,
+            tuple(self._reservations),
+            tuple(self._preemptions),
+            tuple(denials),
+        )
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    """The earlier of two estimates; None is unknown."""
+    if a is None or b is None:
+        return a if b is None else b
+    return min(a, b)
+
+
+def _inflight(slots: Sequence[Slot]) -> dict[str, tuple[Slot, list[RunningJob]]]:
+    """Preemptions in flight: preempting task id -> (worker, victims)."""
+    out: dict[str, tuple[Slot, list[RunningJob]]] = {}
+    for slot in slots:
+        for victim in slot.victims.values():
+            if victim.preempted_for is not None:
+                out.setdefault(victim.preempted_for, (slot, []))[1].append(victim)
+    return out

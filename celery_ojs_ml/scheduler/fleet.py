@@ -1,0 +1,279 @@
+"""The fleet during one pass, grouped into equivalence classes so a decision stays cheap.
+
+Key decision (after Kubernetes' equivalence classes): workers with the same
+capabilities (worker id aside) and logical queues form a group; within a
+group, workers with the same free shape (free vector, running labels, idle)
+are interchangeable for matching and scoring. So `match` runs once per
+(requirement class, group, shape), not once per worker, and "which groups can
+ever run this class" is remembered across passes in a `Memo`. Workers that
+carry a reservation leave their shape bucket: each needs its own backfill
+check against its timeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
+from celery_ojs_ml.matching import score as soft_score
+from celery_ojs_ml.scheduler.model import PendingJob, Policy, WorkerState
+from celery_ojs_ml.scheduler.order import Ask
+from celery_ojs_ml.scheduler.score import PlacementScore, Workload, placement
+from celery_ojs_ml.scheduler.slot import Hold, Shape, Slot
+from celery_ojs_ml.scheduler.vectors import (
+    Vec,
+    clip,
+    covers,
+    finite,
+    lowest,
+    minus,
+    plus,
+    to_free,
+    totals_of,
+)
+
+_MEMO_MAX = 50_000
+
+
+class Memo:
+    """What outlives a pass: capability keys, and which capabilities can ever run a class."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, bool], tuple[Capabilities, str]] = {}
+        self._ever: dict[tuple[str, str], MatchResult] = {}
+
+    def caps_key(self, caps: Capabilities, *, exact: bool) -> str:
+        """A key equal for equal capabilities; the worker id counts only when `exact`."""
+        hit = self._keys.get((id(caps), exact))
+        if hit is not None and hit[0] is caps:
+            return hit[1]
+        key = caps.model_dump_json(exclude=None if exact else {"worker_id"})
+        if len(self._keys) >= _MEMO_MAX:
+            self._keys.clear()
+        self._keys[(id(caps), exact)] = (caps, key)  # holds caps, so its id is not reused
+        return key
+
+    def ever(self, job: PendingJob, caps_key: str, caps: Capabilities) -> MatchResult:
+        """`match` with no free capacity: NEVER means this class can never run there."""
+        key = (job.class_key, caps_key)
+        hit = self._ever.get(key)
+        if hit is None:
+            if len(self._ever) >= _MEMO_MAX:
+                self._ever.clear()
+            hit = self._ever[key] = match(job.req, caps)
+        return hit
+
+
+class Group:
+    """Workers with equal capabilities and queues, bucketed by free shape."""
+
+    __slots__ = ("away", "buckets", "caps", "caps_key", "idx", "members", "queues", "reserved")
+
+    def __init__(self, idx: int, caps: Capabilities, caps_key: str, queues: frozenset[str]):
+        self.idx = idx
+        self.caps = caps
+        self.caps_key = caps_key
+        self.queues = queues
+        self.buckets: dict[Shape, dict[int, None]] = {}
+        self.reserved: dict[int, None] = {}
+        self.away: list[int] = []
+        self.members: list[int] = []  # available workers, in fleet order
+
+
+class FleetView:
+    """Slots, groups and the caches one pass shares (see module doc)."""
+
+    def __init__(
+        self,
+        fleet: Sequence[WorkerState],
+        now: float,
+        policy: Policy,
+        workload: Workload,
+        *,
+        memo: Memo | None = None,
+        exact: bool = False,
+    ) -> None:
+        self.now, self.policy, self.workload = now, policy, workload
+        self.memo = memo or Memo()
+        self.slots = [Slot(i, w, now, policy) for i, w in enumerate(fleet)]
+        self.groups: list[Group] = []
+        self._exact = exact
+        self._eligible: dict[tuple[str, str], tuple[Group, ...]] = {}
+        self._verdicts: dict[tuple[str, int, Shape], MatchResult] = {}
+        self._scores: dict[tuple[Hashable, ...], PlacementScore] = {}
+        self._frees: dict[Shape, FreeCapacity] = {}
+        self._group_all()
+
+    def _group_all(self) -> None:
+        index: dict[tuple[str, frozenset[str]], Group] = {}
+        for slot in self.slots:
+            state = slot.state
+            key = self.memo.caps_key(state.caps, exact=self._exact)
+            group = index.get((key, state.queues))
+            if group is None:
+                group = Group(len(self.groups), state.caps, key, state.queues)
+                index[(key, state.queues)] = group
+                self.groups.append(group)
+            slot.group = group.idx
+            if not state.available:
+                group.away.append(slot.idx)
+                continue
+            group.members.append(slot.idx)
+            if not slot.closed:
+                group.buckets.setdefault(slot.shape(), {})[slot.idx] = None
+
+    def eligible(self, job: PendingJob) -> tuple[Group, ...]:
+        """Groups that consume the job's queue and could ever run its class."""
+        key = (job.class_key, job.queue)
+        hit = self._eligible.get(key)
+        if hit is None:
+            hit = self._eligible[key] = tuple(
+                g
+                for g in self.groups
+                if job.queue in g.queues
+                and self.memo.ever(job, g.caps_key, g.caps).verdict is not Verdict.NEVER
+            )
+        return hit
+
+    def free_of(self, shape: Shape) -> FreeCapacity:
+        """The matching view of a shape (labels restored from their keys)."""
+        hit = self._frees.get(shape)
+        if hit is None:
+            labels = tuple(dict(k) for k in shape[1])
+            hit = self._frees[shape] = to_free(shape[0], labels)
+        return hit
+
+    def verdict(self, job: PendingJob, group: Group, shape: Shape) -> MatchResult:
+        """`match` of the job's class on any worker of `group` in `shape`."""
+        key = (job.class_key, group.idx, shape)
+        hit = self._verdicts.get(key)
+        if hit is None:
+            hit = self._verdicts[key] = match(
+                job.req, group.caps, self.free_of(shape), locality_weight=0
+            )
+        return hit
+
+    def score(self, ask: Ask, group: Group, shape: Shape) -> PlacementScore:
+        """The placement score of `ask` on any worker of `group` in `shape`."""
+        job = ask.job
+        key = (job.class_key, ask.soft, job.gpu_affinity, group.idx, shape)
+        hit = self._scores.get(key)
+        if hit is None:
+            soft = soft_score(job.req, group.caps, locality_weight=self.policy.locality_weight)
+            hit = self._scores[key] = placement(
+                ask.want,
+                shape[0],
+                totals_of(group.caps),
+                soft,
+                self.workload,
+                job.gpu_affinity,
+                self.policy,
+            )
+        return hit
+
+    def fit_now(self, ask: Ask) -> tuple[Slot, PlacementScore] | None:
+        """The best worker where the job may start now, by placement score; None if none.
+
+        Ties go to a worker without a reservation, then to the first in the fleet.
+        """
+        best: tuple[float, bool, int] | None = None
+        found: tuple[Slot, PlacementScore] | None = None
+        for group in self.eligible(ask.job):
+            for slot, score in self._candidates(ask, group):
+                rank = (score.total, not slot.reserved, -slot.idx)
+                if best is None or rank > best:
+                    best, found = rank, (slot, score)
+        return found
+
+    def _candidates(self, ask: Ask, group: Group) -> list[tuple[Slot, PlacementScore]]:
+        out = []
+        for shape, members in group.buckets.items():
+            if self._fits(ask, group, shape):
+                out.append((self.slots[next(iter(members))], self.score(ask, group, shape)))
+        for i in group.reserved:
+            slot = self.slots[i]
+            if slot.closed:
+                continue
+            shape = slot.shape()
+            if self._fits(ask, group, shape) and self.may_backfill(ask, slot):
+                out.append((slot, self.score(ask, group, shape)))
+        return out
+
+    def _fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
+        if not covers(shape[0], ask.want) or (ask.dedicated and not shape[2]):
+            return False
+        return self.verdict(ask.job, group, shape).verdict is Verdict.FITS
+
+    def may_backfill(self, ask: Ask, slot: Slot) -> bool:
+        """Whether starting now leaves every firm hold on `slot` its capacity (see backfill)."""
+        want = self.taken(ask, slot)
+        return covers(slot.timeline().lowest_between(self.now, ask.end), want)
+
+    def taken(self, ask: Ask, slot: Slot) -> Vec:
+        """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`."""
+        return finite(slot.free) if ask.dedicated else ask.want
+
+    def need(self, ask: Ask, slot: Slot) -> Vec:
+        """What the job needs of `slot` in all: its footprint, or the whole worker."""
+        return finite(slot.capacity) if ask.dedicated else ask.want
+
+    def assign(self, ask: Ask, slot: Slot) -> None:
+        """Start the job on `slot` now and re-bucket the slot."""
+        self._unbucket(slot)
+        slot.take(self.taken(ask, slot), ask.end, ask.job.labels, whole=ask.dedicated)
+        self._rebucket(slot)
+
+    def claim(self, ask: Ask, slot: Slot, freed: Vec) -> bool:
+        """Give a preempting job what its victims free plus the free capacity it still lacks.
+
+        The free part is taken now, so no job behind it can take it meanwhile;
+        the victims' part is a `preempt` hold from when they are gone (the grace
+        period) to the job's end. On a reserved worker the claim must leave the
+        reservation whole, like backfill. False (and nothing done) when the job
+        would not fit or would break a reservation.
+        """
+        want = self.need(ask, slot)
+        if not covers(plus(slot.free, freed), want):
+            return False
+        share = lowest(slot.free, clip(minus(want, freed)))
+        start = self.now + self.policy.preemption_grace_s
+        limit = ask.job.time_limit_s
+        end = None if limit is None else start + limit
+        if slot.reserved:
+            tl = slot.timeline()
+            if not (
+                covers(tl.lowest_between(self.now, start), share)
+                and covers(tl.lowest_between(start, end), want)
+            ):
+                return False
+        self._unbucket(slot)
+        slot.take(share, end, ask.job.labels, whole=ask.dedicated)
+        slot.hold(Hold(ask.job.task_id, ask.order, start, end, minus(want, share), "preempt"))
+        self._rebucket(slot)
+        return True
+
+    def hold(self, slot: Slot, hold: Hold) -> None:
+        """Put a hold on `slot`; a firm one takes it out of its shape bucket."""
+        self._unbucket(slot)
+        slot.hold(hold)
+        self._rebucket(slot)
+
+    def _unbucket(self, slot: Slot) -> None:
+        group = self.groups[slot.group]
+        if slot.idx in group.reserved or not slot.state.available or slot.closed:
+            return
+        shape = slot.shape()
+        members = group.buckets[shape]
+        del members[slot.idx]
+        if not members:
+            del group.buckets[shape]
+
+    def _rebucket(self, slot: Slot) -> None:
+        group = self.groups[slot.group]
+        if not slot.state.available or slot.closed:
+            return
+        if slot.reserved:
+            group.reserved[slot.idx] = None
+        else:
+            group.buckets.setdefault(slot.shape(), {})[slot.idx] = None

@@ -1,0 +1,270 @@
+"""The fleet core's values: what it is given (jobs, workers, policy) and what it decides.
+
+Key decision: every input is a plain frozen value that a live scheduler can
+build from the store and a trace replay can build from a log, so both drive
+the same `schedule()`. Times are absolute seconds on the caller's clock (the
+injected `now`); a time limit of None means unknown, which the policy treats
+as "may run for ever". Builders (`PendingJob.of`, `RunningJob.of`,
+`WorkerState.of`) derive the defaults (band, footprint, preemptibility) the
+same way the spec and the worker gate do, so callers rarely spell them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from celery_ojs_ml.allocator.model import Demand, preemptible_of
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.spec.classes import band as band_of
+from celery_ojs_ml.spec.classes import class_id
+from celery_ojs_ml.spec.resources import MLRequirements
+
+GpuAffinity = Literal["pack", "spread", "dedicated"]
+"""`ext_mlx_scheduling_gpu_affinity` (OJS ML Extensions §7.1); `pack` is the default."""
+
+GPU_AFFINITIES: tuple[GpuAffinity, ...] = ("pack", "spread", "dedicated")
+DEFAULT_QUEUE = "celery"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingJob:
+    """A job admitted to the pending set and waiting for an assignment (RFC 27 alloc)."""
+
+    task_id: str
+    req: MLRequirements
+    """Canonical requirements (`spec.normalize`): hard constraints, counted demand, soft rules."""
+    priority: int = 0
+    """Celery priority; higher is served first within a band."""
+    submitted_at: float = 0.0
+    """When the job was admitted, seconds on the scheduler clock (FIFO tie-break)."""
+    time_limit_s: float | None = None
+    """Run-time limit, s; None takes `ext_ml_timeout_seconds`, else unknown."""
+    queue: str = DEFAULT_QUEUE
+    """Logical queue; only workers consuming it may take the job."""
+    band: str = ""
+    """reserved, on-demand or spot; empty takes `spec.classes.band(req)` (§8.1)."""
+    gpu_affinity: GpuAffinity = "pack"
+    """`ext_mlx_scheduling_gpu_affinity`: pack (best fit), spread, or dedicated (whole worker)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The job's own labels, matched by other jobs' anti-affinity (§7.3) once it runs."""
+    class_key: str = ""
+    """Requirement class (`spec.classes.class_id`); empty computes it."""
+
+    def __post_init__(self) -> None:
+        if self.gpu_affinity not in GPU_AFFINITIES:
+            raise ValueError(
+                f"gpu_affinity is {self.gpu_affinity!r}; use one of {', '.join(GPU_AFFINITIES)} "
+                '(ext_mlx_scheduling_gpu_affinity, OJS ML Extensions §7.1), e.g. "pack"'
+            )
+        if not self.band:
+            object.__setattr__(self, "band", band_of(self.req))
+        if self.time_limit_s is None and self.req.ext_ml_timeout_seconds is not None:
+            object.__setattr__(self, "time_limit_s", float(self.req.ext_ml_timeout_seconds))
+        if not self.class_key:
+            object.__setattr__(self, "class_key", class_id(self.req))
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    """A job running (or assigned) on a worker, as the worker reports it."""
+
+    task_id: str
+    band: str
+    started_at: float
+    """When it started, seconds on the scheduler clock."""
+    priority: int = 0
+    gpus: int = 0
+    cpu_cores: float = 0.0
+    memory_gb: float = 0.0
+    tpu_chips: int = 0
+    time_limit_s: float | None = None
+    """Run-time limit, s; None: unknown (it frees nothing in any estimate)."""
+    last_checkpoint_at: float | None = None
+    """When its last checkpoint was committed; None: never (all progress is at risk)."""
+    preemptible: bool = False
+    """§8.2 `ext_ml_preemptible` (spot defaults to true)."""
+    preemption_policy: str | None = None
+    """`ext_mlx_scheduling_preemption_policy`; `never` makes the job unpreemptible."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    exclusive: bool = False
+    """Runs with gpu_affinity `dedicated`: the whole worker is its own."""
+    preempted_for: str | None = None
+    """Task id of the job it is being preempted for (a preemption in flight)."""
+
+    @classmethod
+    def of(cls, task_id: str, req: MLRequirements, started_at: float, **kw: Any) -> RunningJob:
+        """A running job's footprint, band and preemptibility from its requirements."""
+        d = Demand.of(req)
+        limit = req.ext_ml_timeout_seconds
+        base: dict[str, Any] = {
+            "band": band_of(req),
+            "gpus": d.gpus,
+            "cpu_cores": float(d.cpu_cores),
+            "memory_gb": float(d.memory_gb),
+            "tpu_chips": d.tpu_chips,
+            "time_limit_s": None if limit is None else float(limit),
+            "preemptible": preemptible_of(req),
+        }
+        return cls(task_id=task_id, started_at=started_at, **{**base, **kw})
+
+    @property
+    def ends_at(self) -> float | None:
+        """When its time limit runs out; None when unknown."""
+        return None if self.time_limit_s is None else self.started_at + self.time_limit_s
+
+    @property
+    def demand(self) -> Demand:
+        """The counted resources it holds."""
+        return Demand(self.gpus, self.cpu_cores, self.memory_gb, self.tpu_chips)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerState:
+    """One worker as the registry knows it: what it has, has free, runs and consumes."""
+
+    name: str
+    caps: Capabilities
+    free: FreeCapacity
+    """Free capacity as the worker reported it (its gate's view, host reserves applied)."""
+    queues: frozenset[str] = frozenset({DEFAULT_QUEUE})
+    """Logical queues it consumes."""
+    running: tuple[RunningJob, ...] = ()
+    available: bool = True
+    """False while the worker is briefly away: it counts for DENY, never for placement."""
+
+    @classmethod
+    def of(
+        cls,
+        name: str,
+        caps: Capabilities,
+        running: Sequence[RunningJob] = (),
+        *,
+        queues: frozenset[str] = frozenset({DEFAULT_QUEUE}),
+        available: bool = True,
+    ) -> WorkerState:
+        """A worker whose free capacity is its totals less its running jobs (no host reserve)."""
+        used = Demand.total(r.demand for r in running)
+        if any(r.exclusive for r in running):
+            used = Demand.capacity(caps, 0, 0)
+        free = Demand.capacity(caps, 0, 0).minus(used)
+        view = FreeCapacity(
+            gpus=free.gpus,
+            cpu_cores=free.cpu_cores,
+            memory_gb=free.memory_gb,
+            tpu_chips=free.tpu_chips if caps.tpu else None,
+            running_labels=tuple(r.labels for r in running if r.labels),
+        )
+        return cls(name, caps, view, queues, tuple(running), available)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The knobs of the fleet policy (settings `ojs_ml_*`, docs/scheduling.md)."""
+
+    reservation_depth: int = 1
+    """`ojs_ml_reservation_depth`: how many blocked jobs, first in order, hold a reservation."""
+    min_runtime_before_preemption_s: float = 60.0
+    """`ojs_ml_min_runtime_before_preemption_s`: younger jobs are never preempted."""
+    allow_on_demand_preemption: bool = False
+    """`ojs_ml_allow_on_demand_preemption`: reserved jobs may preempt on-demand ones."""
+    locality_weight: int = 50
+    """`ojs_ml_locality_weight`: weight of model locality in the affinity score (§11.3)."""
+    affinity_weight: float = 0.5
+    """Share of the soft-constraint score in the placement score; the rest is packing."""
+    preemption: bool = True
+    """Plan preemptions at all."""
+    preemption_grace_s: float = 30.0
+    """Expected time for victims to leave; the preempting job's start estimate."""
+    deny_unsatisfiable: bool = False
+    """`ojs_ml_deny_unsatisfiable`: deny jobs no known worker could ever run (RFC 27 DENY)."""
+    overdue_s: float = 10.0
+    """A running job past its time limit is expected to end this much later."""
+
+    @classmethod
+    def from_settings(cls, settings: object) -> Policy:
+        """The policy named by an `OJSMLSettings` (fields it lacks keep their defaults)."""
+        names = (
+            "reservation_depth",
+            "min_runtime_before_preemption_s",
+            "allow_on_demand_preemption",
+            "locality_weight",
+            "deny_unsatisfiable",
+        )
+        found = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
+        return cls(**found)
+
+
+DEFAULT_POLICY = Policy()
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Run `task_id` on `worker` now (RFC 27 alloc SUCCESS); the gate pins the devices."""
+
+    task_id: str
+    worker: str
+    score: float
+    """Placement score 0-100 of the chosen worker (`scheduler.score`)."""
+    devices: tuple[int, ...] | None = None
+    """Device indices, when the caller chooses them; None leaves them to the worker gate."""
+
+
+@dataclass(frozen=True, slots=True)
+class Annotation:
+    """RFC 27 annotate for a waiting job: why it waits and when it should start."""
+
+    task_id: str
+    reason_pending: str
+    """The pending message, in matching's words (`matching.pending_message`)."""
+    t_estimate: float | None
+    """Estimated start, seconds since the epoch on the scheduler clock; None: unknown."""
+    worker: str | None = None
+    """The worker reserved for it, or whose jobs it is preempting."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """RFC 27 `sched` annotations."""
+        return {"reason_pending": self.reason_pending, "t_estimate": self.t_estimate}
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Capacity on `worker` held for `task_id` from `start` (None: when it frees, unknown)."""
+
+    task_id: str
+    worker: str
+    start: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """Preempt `victims` on `worker` so that `task_id` can start there."""
+
+    task_id: str
+    worker: str
+    victims: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    """RFC 27 DENY: no known worker could ever run the job; `note` says why."""
+
+    task_id: str
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Everything one pass decided; assignments are in fleet order (publish in this order)."""
+
+    assignments: tuple[Assignment, ...] = ()
+    annotations: Mapping[str, Annotation] = field(default_factory=dict)
+    reservations: tuple[Reservation, ...] = ()
+    preemptions: tuple[Preemption, ...] = ()
+    denials: tuple[Denial, ...] = ()
+
+    def assigned(self) -> dict[str, str]:
+        """task id -> worker of every assignment."""
+        return {a.task_id: a.worker for a in self.assignments}

@@ -1,0 +1,201 @@
+"""One worker during one scheduling pass: free now, what the pass put on it, its holds.
+
+Key decision: a slot never changes the reported state; it layers the pass's
+own decisions (assignments, reservations, victims to preempt) on top of it,
+and rebuilds its `Timeline` from scratch when asked after a change. Rebuilds
+are lazy and cheap (a worker runs a handful of jobs), and a timeline that is
+rebuilt cannot drift from the decisions it describes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from celery_ojs_ml.scheduler.model import Policy, RunningJob, WorkerState
+from celery_ojs_ml.scheduler.timeline import Timeline
+from celery_ojs_ml.scheduler.vectors import (
+    ZERO,
+    Vec,
+    finite,
+    from_free,
+    minus,
+    plus,
+    totals_of,
+)
+
+HoldKind = Literal["reserve", "preempt", "shadow"]
+LabelKey = tuple[tuple[str, str], ...]
+Shape = tuple[Vec, tuple[LabelKey, ...], bool]
+"""What decides a match on a worker besides its capabilities: free vector, running labels, idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Capacity taken from `start` to `end` (None: for ever) for a waiting job.
+
+    `reserve`: a reservation; backfill on the worker must leave it whole.
+    `preempt`: what the victims of a preemption free, passed on to the job
+    that preempts them; nothing else could take it, so it needs no check.
+    `shadow`: a start estimate; it shapes later estimates, never backfill.
+    """
+
+    task_id: str
+    order: tuple[object, ...]
+    start: float
+    end: float | None
+    amount: Vec
+    kind: HoldKind
+
+
+def running_vec(r: RunningJob) -> Vec:
+    """A running job's counted footprint as a vector."""
+    return (float(r.gpus), float(r.cpu_cores), float(r.memory_gb), float(r.tpu_chips))
+
+
+def label_key(labels: Mapping[str, str]) -> LabelKey:
+    """Labels as a hashable, order-free key."""
+    return tuple(sorted(labels.items()))
+
+
+class Slot:
+    """A worker's state in this pass (see module doc)."""
+
+    __slots__ = (
+        "_shape",
+        "_timeline",
+        "added_labels",
+        "assigned",
+        "capacity",
+        "exclusive",
+        "free",
+        "grace_s",
+        "group",
+        "holds",
+        "idle",
+        "idx",
+        "labels",
+        "now",
+        "overdue_s",
+        "state",
+        "version",
+        "victims",
+        "whole",
+    )
+
+    def __init__(self, idx: int, state: WorkerState, now: float, policy: Policy) -> None:
+        self.idx = idx
+        self.state = state
+        self.now = now
+        self.overdue_s = policy.overdue_s
+        self.grace_s = policy.preemption_grace_s
+        self.group = -1
+        self.free = from_free(state.free)
+        self.labels: list[Mapping[str, str]] = list(state.free.running_labels)
+        self.added_labels: list[Mapping[str, str]] = []
+        self.idle = not state.running
+        self.capacity = self._capacity()
+        # What an exclusive (dedicated) running job gives back: the whole worker.
+        self.whole = minus(self.capacity, finite(self.free))
+        self.assigned: list[tuple[Vec, float | None]] = []
+        self.holds: list[Hold] = []
+        self.victims: dict[str, RunningJob] = {
+            r.task_id: r for r in state.running if r.preempted_for is not None
+        }
+        self.exclusive = False
+        self.version = 0
+        self._timeline: Timeline | None = None
+        self._shape: Shape | None = None
+
+    def _capacity(self) -> Vec:
+        """Everything the worker can hand out once idle."""
+        if any(r.exclusive for r in self.state.running):
+            return totals_of(self.state.caps)
+        used = ZERO
+        for r in self.state.running:
+            used = plus(used, running_vec(r))
+        return plus(finite(self.free), used)
+
+    @property
+    def name(self) -> str:
+        """The worker's name."""
+        return self.state.name
+
+    @property
+    def closed(self) -> bool:
+        """Whether a dedicated job has the whole worker: nothing else may start there."""
+        return self.exclusive or any(r.exclusive for r in self.state.running)
+
+    @property
+    def reserved(self) -> bool:
+        """Whether a reservation lies on it (then backfill is checked against its timeline)."""
+        return any(h.kind == "reserve" for h in self.holds)
+
+    def shape(self) -> Shape:
+        """The equivalence key of this worker's free state (see `Shape`)."""
+        if self._shape is None:
+            self._shape = (self.free, tuple(label_key(x) for x in self.labels), self.idle)
+        return self._shape
+
+    def take(
+        self, amount: Vec, end: float | None, labels: Mapping[str, str], *, whole: bool = False
+    ) -> None:
+        """Start a job using `amount` now until `end` (None: unknown); `whole`: dedicated."""
+        self.exclusive = self.exclusive or whole
+        self.free = minus(self.free, amount)
+        if labels:
+            self.labels.append(labels)
+            self.added_labels.append(labels)
+        self.idle = False
+        self.assigned.append((amount, end))
+        self._changed()
+
+    def hold(self, hold: Hold) -> None:
+        """Add a reservation, a preemption's claim or a start estimate."""
+        self.holds.append(hold)
+        self._changed()
+
+    def preempt(self, victims: list[RunningJob]) -> None:
+        """Count `victims` as gone once their grace period ends."""
+        for v in victims:
+            self.victims[v.task_id] = v
+        self._changed()
+
+    def first_holder(self) -> str | None:
+        """Task id of the reservation first in fleet order, if any."""
+        firm = [h for h in self.holds if h.kind == "reserve"]
+        return min(firm, key=lambda h: h.order).task_id if firm else None
+
+    def timeline(self) -> Timeline:
+        """The step function of free capacity, rebuilt after any change."""
+        if self._timeline is None:
+            self._timeline = self._build()
+        return self._timeline
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._timeline = None
+        self._shape = None
+
+    def _build(self) -> Timeline:
+        tl = Timeline(self.now, self.free)
+        soon, gone = self.now + self.overdue_s, self.now + self.grace_s
+        for r in self.state.running:
+            end = r.ends_at
+            if end is not None and end <= self.now:
+                end = soon  # past its limit: expected to end shortly
+            if r.task_id in self.victims:
+                end = gone if end is None else min(end, gone)
+            if end is not None:
+                tl.add(end, self._release_of(r))
+        for amount, end in self.assigned:
+            if end is not None:
+                tl.add(end, amount)
+        for h in self.holds:
+            tl.hold(h.start, h.end, h.amount, shadow=h.kind == "shadow")
+        return tl
+
+    def _release_of(self, r: RunningJob) -> Vec:
+        """What a running job gives back: its footprint, or the whole worker if exclusive."""
+        return self.whole if r.exclusive else running_vec(r)
