@@ -34,7 +34,7 @@ import redis
 
 from celery_ojs_ml.store import OJSStore
 
-PENDING, ASSIGNED, STARTED = "pending", "assigned", "started"
+PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
 TOMBSTONE_S = 86400
 _RETRIES = 16
 _JSON_FIELDS = ("msg", "meta", "annotation", "victims")
@@ -113,7 +113,11 @@ class PendingBook:
         gone: list[str] = []
         for task_id, raw in zip(ids, raws, strict=True):
             record = _decode(raw) if raw else None
-            if record is None or record.get("state") == STARTED or "msg" not in record:
+            if (
+                record is None
+                or record.get("state") not in (PENDING, ASSIGNED)
+                or "msg" not in record
+            ):
                 gone.append(task_id)
             else:
                 found[task_id] = record
@@ -144,19 +148,27 @@ class PendingBook:
         return token if ok else None
 
     def start(self, task_id: str, token: str, worker: str) -> str:
-        """The gate starts the job: "ok", "stale" (another assignment is current) or "unknown".
+        """The gate starts the job: "ok", "stale" (another assignment is current), "again"
+        or "unknown".
 
-        "unknown" (no record: the store lost it) lets the gate run the job: the
-        message is the only copy left.
+        "again": this very assignment was started before, and the broker delivers
+        its message once more (the run died before its lease was written, so the
+        message was not acked); the gate runs it unless a lease shows the first
+        run alive. "unknown" (no record: the store lost it) lets the gate run the
+        job: the message is the only copy left.
         """
         key = self._key(task_id)
 
         def txn(pipe: Any) -> str:
             raw = pipe.hgetall(key)
-            if not raw:
+            record = _decode(raw) if raw else {}
+            if "state" not in record:  # gone, or only a late annotation of a gone record
                 return "unknown"
-            record = _decode(raw)
-            if record.get("state") != ASSIGNED or record.get("token") != token:
+            if record.get("token") != token:
+                return "stale"
+            if record.get("state") == STARTED:
+                return "again"
+            if record.get("state") != ASSIGNED:
                 return "stale"
             pipe.multi()
             pipe.hset(key, mapping={"state": STARTED, "started_at": repr(self.store._clock())})
@@ -192,15 +204,21 @@ class PendingBook:
             pipe.execute()
 
     def cancel(self, task_id: str) -> bool:
-        """RFC 27 cancel: drop a job that no worker has started; True if it was waiting."""
+        """RFC 27 cancel: drop a job no worker has started (waiting or assigned); True if so.
+
+        The record becomes a `cancelled` tombstone for a day, so an assigned copy
+        in flight is stale at the gate and a late intake duplicate is not admitted.
+        """
         key = self._key(task_id)
 
         def txn(pipe: Any) -> bool:
             state = pipe.hget(key, "state")
-            if state is None or _text(state) == STARTED:
+            if state is None or _text(state) in (STARTED, CANCELLED):
                 return False
             pipe.multi()
-            pipe.delete(key)
+            pipe.hset(key, "state", CANCELLED)
+            pipe.hdel(key, "msg")
+            pipe.expire(key, TOMBSTONE_S)
             pipe.zrem(self._index, task_id)
             return True
 

@@ -48,7 +48,10 @@ def may_start(gate: MLWorker, req: Any, alloc: Allocation) -> bool:
     if token is None:
         return True
     outcome = gate.book.start(req.id, token, gate.hostname)
-    if outcome == "stale":
+    if outcome == "again" and gate.leases.get(req.id) is None:
+        log.warning("ojs-ml: %s is delivered again and holds no lease; running it again", req.id)
+        return True
+    if outcome in ("stale", "again"):
         log.warning("ojs-ml: %s was assigned elsewhere since; dropping this copy", req.id)
         gate.allocator.free(req)
         drop(req)

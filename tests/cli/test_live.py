@@ -287,7 +287,8 @@ def test_explain_a_scheduled_task_gives_the_schedulers_reason_and_reservation(
         result = invoke(fleet, "explain", queued.id, "--timeout", "0.5")
         assert result.exit_code == 0, result.stdout
         head, why = result.stdout.splitlines()
-        assert head.startswith(f"{queued.id} waits (ml.record, queue celery, band on-demand, "), head
+        facts = "(ml.record, queue celery, band on-demand, "
+        assert head.startswith(f"{queued.id} waits {facts}"), head
         assert why == "    " + data["reason_pending"], why
     finally:
         assert fleet.app.ojs_ml.cancel(queued.id), "a job no worker started can be cancelled"
