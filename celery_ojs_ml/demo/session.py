@@ -26,6 +26,7 @@ from celery_ojs_ml.demo.jobs import EXAMPLES, DemoJob, Submission, fleet_capabil
 from celery_ojs_ml.demo.table import LivePrinter
 from celery_ojs_ml.demo.watch import DONE, WAITING, Row, judge, observe, settled
 from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 
 POLL_S = 0.2
@@ -38,6 +39,8 @@ class Outcome:
     rows: list[Row]
     problems: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    waited: list[str] = field(default_factory=list)
+    """Runnable jobs seen waiting with the scheduler's reason and start estimate."""
 
     @property
     def ok(self) -> bool:
@@ -51,6 +54,7 @@ class Outcome:
             "problems": self.problems,
             "elapsed_s": round(self.elapsed_s, 2),
             "jobs": [r.as_dict() for r in self.rows],
+            "waited_with_estimate": self.waited,
         }
 
     def write(self, path: Path) -> None:
@@ -105,13 +109,16 @@ def run(
     """Submit every document, watch until nothing will change (or time out), judge."""
     store: OJSStore = app.ojs_ml.store
     jobs: list[DemoJob] = [j for s in submissions for j in s.jobs]
+    printer.say(_leader_line(store))
     t0 = time.time()
     for sub in submissions:
         app.ojs_ml.submit(sub.doc)
     deadline = time.monotonic() + timeout_s
     rows = observe(app, store, jobs)
+    waited: dict[str, None] = {}
     while not settled(rows) and time.monotonic() < deadline:
         printer.update(rows, t0, time.time())
+        waited.update((r.job.label, None) for r in rows if r.job.runnable and r.estimate)
         time.sleep(POLL_S)
         rows = observe(app, store, jobs)
     printer.update(rows, t0, time.time())
@@ -119,7 +126,22 @@ def run(
     problems = judge(rows)
     if not settled(rows):
         problems.insert(0, f"the jobs did not settle within {timeout_s:g} s")
-    return Outcome(rows, problems, time.time() - t0)
+    done = {r.job.label for r in rows if r.state == DONE}
+    return Outcome(rows, problems, time.time() - t0, [w for w in waited if w in done])
+
+
+def _leader_line(store: OJSStore, timeout_s: float = 10.0) -> str:
+    """Who leads the fleet scheduler (every worker is a candidate; one holds the lock)."""
+    book = PendingBook(store)
+    deadline = time.monotonic() + timeout_s
+    while (leader := book.leader()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if leader is None:
+        return f"Scheduler: no leader after {timeout_s:g} s (is ojs_ml_scheduler 'off' everywhere?)"
+    return (
+        f"Scheduler: {leader.get('id')} leads (elected through the store lock; "
+        "every worker is a candidate)"
+    )
 
 
 def summary(outcome: Outcome) -> list[str]:
@@ -132,6 +154,8 @@ def summary(outcome: Outcome) -> list[str]:
         f"{len(runnable)} runnable job(s): {done} done on an eligible node; "
         f"{len(stuck)} job(s) no node can run: {explained} waiting with a reason "
         f"({outcome.elapsed_s:.1f} s)",
+        f"{len(outcome.waited)} job(s) waited for capacity with the scheduler's reason and "
+        f"start estimate, then ran: {', '.join(outcome.waited) or 'none'}",
         *(f"PROBLEM: {p}" for p in outcome.problems),
     ]
     lines.append("OK" if outcome.ok else "FAILED")

@@ -87,6 +87,8 @@ def change_line(row: Row, t0: float, now: float) -> str:
     where = f" on {row.node}" if row.node else ""
     devices = f" ({devices_text(row.devices, ran=True)})" if row.state in (DONE, RUNNING) else ""
     why = f": {row.reason}" if row.state in (WAITING, HELD) and row.reason else ""
+    if row.state == WAITING and row.estimate is not None:
+        why += f" (start estimate: in {max(0.0, row.estimate - now):.0f} s, from time limits)"
     return f"[{now - t0:5.1f}s] {row.job.label:<28} {row.state}{where}{devices}{why}"
 
 
@@ -98,7 +100,7 @@ class LivePrinter:
         self.live = self.out.isatty() if live is None else live
         self._drawn = 0
         self._second = -1
-        self._last: dict[str, tuple[str, str | None, tuple[int, ...]]] = {}
+        self._last: dict[str, tuple[str, str | None, tuple[int, ...], bool]] = {}
 
     def say(self, text: str) -> None:
         """A line above the table."""
@@ -141,5 +143,5 @@ class LivePrinter:
             self._drawn = 0
 
 
-def _key(row: Row) -> tuple[str, str | None, tuple[int, ...]]:
-    return (row.state, row.node, row.devices)
+def _key(row: Row) -> tuple[str, str | None, tuple[int, ...], bool]:
+    return (row.state, row.node, row.devices, row.estimate is not None)

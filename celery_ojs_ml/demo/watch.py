@@ -21,9 +21,10 @@ from typing import Any
 from celery import Celery
 
 from celery_ojs_ml.demo.jobs import DemoJob
+from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 
-DONE, FAILED, RUNNING, HELD, QUEUED, WAITING, BLOCKED = (
+DONE, FAILED, RUNNING, HELD, QUEUED, WAITING, BLOCKED, ASSIGNED = (
     "done",
     "failed",
     "running",
@@ -31,6 +32,7 @@ DONE, FAILED, RUNNING, HELD, QUEUED, WAITING, BLOCKED = (
     "queued",
     "waiting",
     "after previous step",
+    "assigned",
 )
 
 
@@ -47,6 +49,8 @@ class Row:
     finished: float | None = None
     cuda_visible_devices: str | None = None
     """What the task saw; set per task only under prefork (pinning)."""
+    estimate: float | None = None
+    """The scheduler's start estimate (RFC 27 `t_estimate`) while the job waits."""
 
     @property
     def settled(self) -> bool:
@@ -71,12 +75,14 @@ class Row:
             "started": self.started,
             "finished": self.finished,
             "cuda_visible_devices": self.cuda_visible_devices,
+            "t_estimate": self.estimate,
         }
 
 
 def observe(app: Celery, store: OJSStore, jobs: Iterable[DemoJob]) -> list[Row]:
     """Every job's current state."""
     pending = store.pending()
+    scheduled = PendingBook(store).records()
     held = {
         str(item.get("task_id")): (worker, str(item.get("reason", "")))
         for worker, items in store.held().items()
@@ -85,7 +91,7 @@ def observe(app: Celery, store: OJSStore, jobs: Iterable[DemoJob]) -> list[Row]:
     rows: list[Row] = []
     seen: dict[str, Row] = {}
     for job in jobs:
-        row = _row(app, job, pending, held, seen)
+        row = _scheduled(job, scheduled) or _row(app, job, pending, held, seen)
         seen[job.task_id] = row
         rows.append(row)
     return rows
@@ -115,6 +121,19 @@ def _row(
     if before is not None and before.state != DONE:
         return Row(job, BLOCKED)
     return Row(job, QUEUED)
+
+
+def _scheduled(job: DemoJob, records: dict[str, dict[str, Any]]) -> Row | None:
+    """A job in the fleet scheduler's pending set: waiting (reason, estimate) or assigned."""
+    record = records.get(job.task_id)
+    if record is None:
+        return None
+    if record.get("state") == "assigned":
+        return Row(job, ASSIGNED, node=record.get("worker"))
+    note = record.get("annotation") or {}
+    reason = note.get("reason_pending") or record.get("reason") or "waiting for the scheduler"
+    estimate = note.get("t_estimate")
+    return Row(job, WAITING, reason=str(reason), estimate=estimate if estimate else None)
 
 
 def _ran(job: DemoJob, state: str, info: dict[str, Any]) -> Row:
