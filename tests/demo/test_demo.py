@@ -8,6 +8,7 @@ demo's own verdict alone.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def test_the_embedded_demo_runs_every_runnable_job_where_it_may_and_explains_the
     why = next(line for line in lines if line.startswith("zz-impossible-16x-b200 waiting: "))
     assert why.startswith("zz-impossible-16x-b200 waiting: 0/3 workers eligible: ")
     assert jobs["§12.1 chain 2/4"]["devices"] == list(range(8))
+    assert any(re.fullmatch(r"Scheduler: \w+@demo leads .*", line) for line in lines), lines
+    # the A100 node cannot start every job at once: at least one waits with the scheduler's
+    # reason and start estimate, then runs
+    assert report["waited_with_estimate"], report
+    for label in report["waited_with_estimate"]:
+        assert jobs[label]["state"] == "done"
+        assert any(
+            line.endswith("from time limits)") and label in line and "waiting: " in line
+            for line in lines
+        ), label
     # threads pool: no process-wide CUDA_VISIBLE_DEVICES, the devices come from the request
     assert all(j["cuda_visible_devices"] is None for j in jobs.values())
 
