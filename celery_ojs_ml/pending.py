@@ -26,6 +26,7 @@ Layout (prefix `ojs`):
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -38,6 +39,22 @@ PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cance
 TOMBSTONE_S = 86400
 _RETRIES = 16
 _JSON_FIELDS = ("msg", "meta", "annotation", "victims")
+_NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
+log = logging.getLogger(__name__)
+
+_START = """
+local state = redis.call('HGET', KEYS[1], 'state')
+if not state then return 'unknown' end
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
+if state == 'started' then return 'again' end
+if state ~= 'assigned' then return 'stale' end
+redis.call('HSET', KEYS[1], 'state', 'started', 'started_at', ARGV[2])
+redis.call('HDEL', KEYS[1], 'msg')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZREM', KEYS[2], ARGV[4])
+return 'ok'
+"""
+"""`start` in one round trip (the gate's hot path); `_start_watched` is the same without Lua."""
 
 
 def _text(value: Any) -> str:
@@ -60,6 +77,7 @@ class PendingBook:
         self.store = store
         self._r = store.client
         self._index = store.key("pjobs")
+        self._start_script: Any = self._r.register_script(_START)
         self._leader = store.key("scheduler", "leader")
 
     def _key(self, task_id: str) -> str:
@@ -73,27 +91,32 @@ class PendingBook:
         A job re-published under the same id (a crash or preemption) is admitted
         again only once its earlier record was started or is gone.
         """
-        key = self._key(task_id)
+        return self.admit_many([(task_id, meta, msg)])[0]
 
-        def txn(pipe: Any) -> bool:
-            state = pipe.hget(key, "state")
-            if state is not None and _text(state) != STARTED:
-                return False
+    def admit_many(self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[bool]:
+        """`admit` for a batch in one transaction (the leader drains its intake in batches)."""
+        if not jobs:
+            return []
+        keys = [self._key(task_id) for task_id, _, _ in jobs]
+        now = repr(self.store._clock())
+
+        def txn(pipe: Any) -> list[bool]:
+            with self._r.pipeline(transaction=False) as read:
+                for key in keys:
+                    read.hget(key, "state")
+                states = read.execute()
+            fresh = [s is None or _text(s) == STARTED for s in states]
             pipe.multi()
-            pipe.delete(key)
-            pipe.hset(
-                key,
-                mapping={
-                    "state": PENDING,
-                    "msg": json.dumps(msg),
-                    "meta": json.dumps(meta),
-                    "admitted_at": repr(self.store._clock()),
-                },
-            )
-            pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
-            return True
+            for (task_id, meta, msg), key, ok in zip(jobs, keys, fresh, strict=True):
+                if not ok:
+                    continue
+                pipe.delete(key)
+                fields = {"state": PENDING, "msg": json.dumps(msg), "meta": json.dumps(meta)}
+                pipe.hset(key, mapping={**fields, "admitted_at": now})
+                pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
+            return fresh
 
-        return bool(self._transaction(key, txn))
+        return list(self._transaction(keys, txn))
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The record of one job (any state), or None."""
@@ -157,6 +180,19 @@ class PendingBook:
         run alive. "unknown" (no record: the store lost it) lets the gate run the
         job: the message is the only copy left.
         """
+        key = self._key(task_id)
+        if self._start_script is not None:
+            args = [token, repr(self.store._clock()), TOMBSTONE_S, task_id]
+            try:
+                return _text(self._start_script(keys=[key, self._index], args=args))
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except _NO_SCRIPTING as exc:
+                log.info("ojs-ml: no Lua scripting on the store (%s); starts use MULTI/WATCH", exc)
+                self._start_script = None
+        return self._start_watched(task_id, token)
+
+    def _start_watched(self, task_id: str, token: str) -> str:
         key = self._key(task_id)
 
         def txn(pipe: Any) -> str:
@@ -294,17 +330,18 @@ class PendingBook:
 
         return bool(self._transaction(key, txn))
 
-    def _transaction(self, key: str, body: Any) -> Any:
-        """Run `body(pipe)` under WATCH `key`; retried when another client changed the key."""
+    def _transaction(self, key: str | list[str], body: Any) -> Any:
+        """Run `body(pipe)` under WATCH `key`(s); retried when another client changed one."""
+        keys = [key] if isinstance(key, str) else key
         for _ in range(_RETRIES):
             with self._r.pipeline(transaction=True) as pipeline:
                 pipe: Any = pipeline
                 try:
-                    pipe.watch(key)
+                    pipe.watch(*keys)
                     result = body(pipe)
                     if pipe.explicit_transaction:
                         pipe.execute()
                     return result
                 except redis.WatchError:
                     continue
-        raise redis.RedisError(f"{key} kept changing under {_RETRIES} transactions; retry")
+        raise redis.RedisError(f"{keys[0]} kept changing under {_RETRIES} transactions; retry")

@@ -214,15 +214,22 @@ class OJSStore:
         *,
         ttl_s: float = 10.0,
         info: dict[str, Any] | None = None,
+        held: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Publish a worker's heartbeat; it stays live for `ttl_s` seconds unless refreshed."""
+        """Publish a worker's heartbeat; it stays live for `ttl_s` seconds unless refreshed.
+
+        With `held`, the worker's held-jobs snapshot (`set_held`) goes in the same write.
+        """
         payload = {
             "capabilities": capabilities,
             "free": free,
             "info": info or {},
             "ts": self._clock(),
         }
-        self._put("worker", worker, payload, ttl_s)
+        items: list[tuple[str, str, Any]] = [("worker", worker, payload)]
+        if held is not None:
+            items.append(("held", worker, held))
+        self._put_many(items, ttl_s)
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""
@@ -259,11 +266,15 @@ class OJSStore:
     # -- expiring records: one key with a PX TTL plus an index by expiry ----------
 
     def _put(self, kind: str, name: str, payload: Any, ttl_s: float) -> None:
+        self._put_many([(kind, name, payload)], ttl_s)
+
+    def _put_many(self, items: list[tuple[str, str, Any]], ttl_s: float) -> None:
         ttl_ms = _ttl_ms(ttl_s)
         expires_ms = round(self._clock() * 1000) + ttl_ms
         with self._r.pipeline(transaction=True) as pipe:
-            pipe.set(self.key(kind, name), _dumps(payload), px=ttl_ms)
-            pipe.zadd(self.key("index", kind), {name: expires_ms})
+            for kind, name, payload in items:
+                pipe.set(self.key(kind, name), _dumps(payload), px=ttl_ms)
+                pipe.zadd(self.key("index", kind), {name: expires_ms})
             pipe.execute()
 
     def _drop(self, kind: str, name: str) -> None:

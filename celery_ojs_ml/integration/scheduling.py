@@ -57,6 +57,9 @@ from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger(__name__)
 
+_ADMIT_BATCH = 200
+"""Most intake messages admitted per transaction (prefetch is 256)."""
+
 HEADER_ASSIGN = "ojs_assign"
 HEADER_VICTIMS = "ojs_victims"
 HEADER_WAKE = "ojs_wake"
@@ -113,6 +116,8 @@ class FleetScheduler:
         self._conn: Any = None
         self._consumer: Any = None
         self._producer: Any = None
+        self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
+        """Admissions read from the intake, written in one batch after the drain."""
         self.passes = 0
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -173,11 +178,21 @@ class FleetScheduler:
         assert self._conn is not None
         try:
             self._conn.drain_events(timeout=0 if self._dirty else wait_s)
-            while True:  # everything already there, without waiting again
+            while len(self._intake) < _ADMIT_BATCH:  # what is already there, without waiting
                 self._conn.drain_events(timeout=0)
         except TimeoutError:
             pass
+        self._admit()
         self.schedule_once()
+
+    def _admit(self) -> None:
+        """Write the drained jobs to the pending set in one transaction, then ack them."""
+        batch, self._intake = self._intake, []
+        if not batch:
+            return
+        self.book.admit_many([(task_id, meta, msg) for task_id, meta, msg, _ in batch])
+        for *_, message in batch:  # acked only once stored: a crash before redelivers them
+            message.ack()
 
     def _connect(self) -> None:
         if self._conn is not None:
@@ -195,6 +210,7 @@ class FleetScheduler:
 
     def _close(self) -> None:
         conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
+        self._intake = []  # not acked: the broker redelivers them to the next leader
         if conn is not None:
             try:
                 conn.release()
@@ -231,8 +247,7 @@ class FleetScheduler:
             "headers": headers,
             "properties": {k: props[k] for k in _PROPERTIES if props.get(k) is not None},
         }
-        self.book.admit(task_id, self._meta(headers, props), msg)
-        message.ack()
+        self._intake.append((task_id, self._meta(headers, props), msg, message))
 
     def _refuse(self, task_id: str, headers: dict[str, Any], body: bytes, reason: str) -> None:
         """An intake message no worker may run: dead-letter it and fail it, with the reason."""

@@ -377,8 +377,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 snap,
                 ttl_s=ttl,
                 info={"pid": os.getpid(), "pinning": self.prefork, "queues": sorted(self.logical)},
+                held=held,
             )
-            self.store.set_held(self.hostname, held, ttl_s=ttl)
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
 

@@ -491,3 +491,29 @@ def test_leader_returns_id_and_since_of_the_holder(
     assert leader is not None
     assert set(leader) == {"id", "since"}
     assert leader["id"] == "sched-a" and leader["since"] == 5000.0
+
+
+def test_start_without_lua_scripting_decides_exactly_as_the_script(book: PendingBook) -> None:
+    """Stores without scripting (fakeredis in the demo) take the WATCH/MULTI path."""
+    book._start_script = None
+    assert book.start("nobody", "t", "w1@host") == "unknown"
+    token = _assigned(book)
+    assert book.start("job-1", "wrong", "w1@host") == "stale"
+    assert book.start("job-1", token, "w1@host") == "ok"
+    assert book.start("job-1", token, "w1@host") == "again"
+    assert book.records() == {}
+
+
+def test_a_batch_admission_admits_new_jobs_and_skips_known_ones(book: PendingBook) -> None:
+    _admitted(book, "job-1", at=1.0)
+    fresh = book.admit_many(
+        [
+            ("job-1", {"submitted_at": 1.0}, {"body": "again"}),
+            ("job-2", {"submitted_at": 2.0}, {"body": "b"}),
+            ("job-3", {"submitted_at": 3.0}, {"body": "c"}),
+        ]
+    )
+    assert fresh == [False, True, True]
+    assert list(book.records()) == ["job-1", "job-2", "job-3"]
+    record = book.get("job-1")
+    assert record is not None and record["msg"] != {"body": "again"}, "the first copy stays"
