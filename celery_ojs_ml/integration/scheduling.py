@@ -57,6 +57,8 @@ from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger(__name__)
 
+_MIN_PASS_GAP_S = 0.01
+"""Shortest time between two scheduling passes (see `FleetScheduler.step`)."""
 _ADMIT_BATCH = 200
 """Most intake messages admitted per transaction (prefetch is 256)."""
 
@@ -116,6 +118,7 @@ class FleetScheduler:
         self._conn: Any = None
         self._consumer: Any = None
         self._producer: Any = None
+        self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
         """Admissions read from the intake, written in one batch after the drain."""
         self.passes = 0
@@ -125,6 +128,10 @@ class FleetScheduler:
     def stop(self) -> None:
         """Stop the loop and give the lock up."""
         self._stop.set()
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """True once `stop()` was called; waits up to `timeout_s`."""
+        return self._stop.wait(timeout_s)
 
     def run(self) -> None:
         """Lead when elected, otherwise stand by; never raises."""
@@ -173,9 +180,17 @@ class FleetScheduler:
     # -- the loop ---------------------------------------------------------------------------
 
     def step(self, wait_s: float) -> None:
-        """Read the intake (waiting up to `wait_s` for news), then schedule once."""
+        """Read the intake (waiting up to `wait_s` for news), then schedule once.
+
+        Passes are at least `_MIN_PASS_GAP_S` apart: under a stream of arrivals
+        and completions one pass then decides everything that came in meanwhile,
+        instead of one pass per job; an idle fleet's first job is not delayed.
+        """
         self._connect()
         assert self._conn is not None
+        gap = self._last_pass + _MIN_PASS_GAP_S - time.monotonic()
+        if gap > 0:
+            self._stop.wait(gap)
         try:
             self._conn.drain_events(timeout=0 if self._dirty else wait_s)
             while len(self._intake) < _ADMIT_BATCH:  # what is already there, without waiting
@@ -184,6 +199,7 @@ class FleetScheduler:
             pass
         self._admit()
         self.schedule_once()
+        self._last_pass = time.monotonic()
 
     def _admit(self) -> None:
         """Write the drained jobs to the pending set in one transaction, then ack them."""

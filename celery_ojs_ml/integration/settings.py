@@ -63,8 +63,10 @@ class OJSMLSettings(BaseModel):
     """Restore an `ojs_last_checkpoint` header only when the store committed it (OJS ML §15.3)."""
     locality_weight: int = Field(default=50, ge=0, le=100)
     """Weight of model locality in the 0-100 score (§11.3)."""
-    scheduler: Literal["auto", "off"] = "auto"
-    """"auto": this worker may be elected the fleet scheduler; "off": it never leads."""
+    scheduler: Literal["auto", "thread", "off"] = "auto"
+    """Stand for election as the fleet scheduler: "auto" in a child process (a thread where
+    the app has no import path or the broker is memory://), "thread" in the worker's main
+    process, "off" never."""
     reservation_depth: int = Field(default=1, ge=1, le=1000)
     """How many blocked jobs, first in fleet order, hold a reservation (backfill guard)."""
     min_runtime_before_preemption_s: float = Field(default=60.0, ge=0)

@@ -45,7 +45,8 @@ from celery_ojs_ml.integration.routing import (
     ml_queue,
     queue_name,
 )
-from celery_ojs_ml.integration.scheduling import FleetScheduler, send_wake, worker_queue_name
+from celery_ojs_ml.integration.scheduler_process import start_candidate
+from celery_ojs_ml.integration.scheduling import send_wake, worker_queue_name
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import Verdict, match
@@ -196,7 +197,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []
         self.own_queue = worker_queue_name(self.settings.store_prefix, self.hostname)
-        self.scheduler: FleetScheduler | None = None
+        self.scheduler: Any = None
+        """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
         self._wake_due = False
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
@@ -250,11 +252,11 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         log.info("ojs-ml: %s", self.banner())
 
     def _start_scheduler(self) -> None:
-        """Run a candidate for the fleet scheduler lock in a thread (`ojs_ml_scheduler`)."""
-        if self.settings.scheduler != "auto" or self.scheduler is not None:
+        """Run a candidate for the fleet scheduler lock (`ojs_ml_scheduler`)."""
+        if self.settings.scheduler == "off" or self.scheduler is not None:
             return
-        self.scheduler = FleetScheduler(self.app, candidate=self.hostname)
-        threading.Thread(target=self.scheduler.run, name="ojs-ml-scheduler", daemon=True).start()
+        thread = self.settings.scheduler == "thread"
+        self.scheduler = start_candidate(self.app, self.hostname, thread=thread)
 
     def wake_scheduler(self) -> None:
         """Capacity was freed or given back: advertise it, then wake the scheduler (coalesced)."""
