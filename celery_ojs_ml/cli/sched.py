@@ -8,6 +8,7 @@ with the leader anywhere, and say the same words as the
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,9 @@ def scheduler_part(plugin: OJSML) -> dict[str, Any]:
 
     book = PendingBook(plugin.store)
     jobs = {task_id: entry(record) for task_id, record in book.records().items()}
-    return {"leader": book.leader(), "jobs": jobs}
+    raw = plugin.store.client.get(plugin.store.key("scheduler", "budgets"))
+    budgets = json.loads(raw) if raw else {}
+    return {"leader": book.leader(), "jobs": jobs, "budgets": budgets}
 
 
 def entry(record: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +57,7 @@ def render(part: dict[str, Any], now: float) -> str:
     else:
         head = "scheduler: no leader (start a worker, or `celery -A proj ojs-ml scheduler`)"
     jobs = part.get("jobs") or {}
-    lines = [head, f"scheduled jobs: {len(jobs)}"]
+    lines = [head, *_budget_lines(part.get("budgets") or {}), f"scheduled jobs: {len(jobs)}"]
     for task_id, job in sorted(jobs.items(), key=lambda kv: kv[1].get("since") or 0):
         if job["state"] == "assigned":
             lines.append(f"  {task_id}  assigned to {job['worker']} ({job['task']})")
@@ -65,6 +68,19 @@ def render(part: dict[str, Any], now: float) -> str:
         lines.append(f"  {task_id}  {job['task']}, band {job['band']}, {when}{where}")
         lines.append(f"      reason: {job['reason_pending']}")
     return "\n".join(lines)
+
+
+def _budget_lines(budgets: dict[str, Any]) -> list[str]:
+    """One line per budgeted queue (OJS ML §10.3): use against each limit."""
+    lines = []
+    for queue, b in sorted(budgets.items()):
+        parts = []
+        if b.get("max_total_gpus") is not None:
+            parts.append(f"{b['gpus']}/{b['max_total_gpus']} GPUs (max_total_gpus)")
+        if b.get("max_concurrent_gpu_jobs") is not None:
+            parts.append(f"{b['jobs']}/{b['max_concurrent_gpu_jobs']} GPU jobs")
+        lines.append(f"budget {queue}: {', '.join(parts)}")
+    return lines
 
 
 def _ago(since: Any, now: float) -> str:

@@ -171,6 +171,9 @@ def _running(
     if req is None:
         return None
     extra: dict[str, Any] = {"gpus": len(lease.get("devices") or [])}
+    queue = headers.get("ojs_logical_queue")
+    if isinstance(queue, str) and queue:
+        extra["queue"] = queue
     if checkpoint_at is not None:
         extra["last_checkpoint_at"] = checkpoint_at
     policy = headers.get("ext_mlx_scheduling_preemption_policy")
@@ -179,3 +182,41 @@ def _running(
     return RunningJob.of(
         str(lease.get("task_id")), req, float(lease.get("started_at") or 0.0), **extra
     )
+
+
+def budget_inflight(
+    records: Mapping[str, Mapping[str, Any]],
+    leases: list[dict[str, Any]],
+    live: Mapping[str, Mapping[str, Any]],
+    ledger: Ledger,
+    queue_of: LRU[str, str],
+    parse: Parse,
+) -> list[tuple[str, int]]:
+    """(queue, GPUs) of every job that holds budget but has no lease yet (§10.3).
+
+    Assigned records, jobs the workers' last heartbeats show allocated, and
+    this leader's recent assignments (the ledger), each counted once by task
+    id, so a job is counted from its assignment until its lease takes over.
+    """
+    seen = {str(lease.get("task_id")) for lease in leases}
+    out: list[tuple[str, int]] = []
+    for task_id, record in records.items():
+        if record.get("state") != ASSIGNED or task_id in seen:
+            continue
+        job = pending_job(task_id, record, parse)
+        if job is not None:
+            seen.add(task_id)
+            out.append((job.queue, int(job.req.ext_ml_gpu_count or 0)))
+    for entry in live.values():
+        for alloc in (entry.get("free") or {}).get("allocations") or []:
+            task_id = str(alloc.get("task_id"))
+            queue = queue_of.get(task_id)
+            if task_id not in seen and queue is not None:
+                seen.add(task_id)
+                out.append((queue, len(alloc.get("devices") or [])))
+    for task_id, settled in ledger.entries.items():
+        queue = queue_of.get(task_id)
+        if task_id not in seen and queue is not None:
+            seen.add(task_id)
+            out.append((queue, settled.demand.gpus))
+    return out

@@ -44,6 +44,7 @@ from celery_ojs_ml.integration.deadletter import dead_letter
 from celery_ojs_ml.integration.fleet_view import (
     Ledger,
     allocated_ids,
+    budget_inflight,
     pending_job,
     worker_states,
 )
@@ -105,7 +106,10 @@ class FleetScheduler:
             min_runtime_before_preemption_s=s.min_runtime_before_preemption_s,
             allow_on_demand_preemption=s.allow_on_demand_preemption,
             locality_weight=s.locality_weight,
+            budgets=Policy.from_settings(s).budgets,
         )
+        self._queue_of: LRU[str, str] = LRU(100_000)
+        """Queue of each job this leader assigned, for budgets until its lease shows it."""
         self.intake = intake_name(s.store_prefix)
         self.ledger = Ledger()
         self.memo = Memo()
@@ -343,7 +347,15 @@ class FleetScheduler:
                 job = pending_job(task_id, record, self.parse)
                 if job is not None:
                     waiting.append(job)
-        decision = schedule(waiting, fleet, now, self.policy, memo=self.memo)
+        inflight = (
+            budget_inflight(records, leases, live, self.ledger, self._queue_of, self.parse)
+            if self.policy.budgets
+            else []
+        )
+        decision = schedule(waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight)
+        if decision.budgets:
+            key = self.store.key("scheduler", "budgets")
+            self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
         jobs = {j.task_id: j for j in waiting}
         for a in decision.assignments:
             self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
@@ -417,6 +429,7 @@ class FleetScheduler:
         from celery_ojs_ml.allocator.model import Demand
 
         self.ledger.assigned(task_id, worker, Demand.of(job.req), now)
+        self._queue_of[task_id] = job.queue
         msg = record["msg"]
         headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
         headers.pop("ojs_pending", None)

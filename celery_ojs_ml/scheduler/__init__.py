@@ -5,6 +5,7 @@
 scheduler and the trace-replay benchmark drive the same code.
 """
 
+from celery_ojs_ml.scheduler.budget import Budget
 from celery_ojs_ml.scheduler.core import Planner, schedule
 from celery_ojs_ml.scheduler.fleet import Memo
 from celery_ojs_ml.scheduler.model import (
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "Annotation",
     "Assignment",
+    "Budget",
     "Decision",
     "Denial",
     "GpuAffinity",

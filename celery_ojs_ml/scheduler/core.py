@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from celery_ojs_ml.scheduler.annotate import Annotator
+from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.model import (
@@ -53,10 +54,15 @@ def schedule(
     policy: Policy = DEFAULT_POLICY,
     *,
     memo: Memo | None = None,
+    inflight: Iterable[tuple[str, int]] = (),
 ) -> Decision:
-    """Decide every pending job once, in fleet order (see module doc)."""
+    """Decide every pending job once, in fleet order (see module doc).
+
+    `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
+    running jobs; they count against their queue's budget (§10.3).
+    """
     ordered = in_order(pending)
-    planner = Planner(fleet, now, policy, pending=ordered, memo=memo)
+    planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
     for job in ordered:
         planner.decide(job)
     return planner.decision()
@@ -73,11 +79,13 @@ def names_worker(req: MLRequirements) -> bool:
 class _Waiting:
     """A job left waiting, with what its annotation needs."""
 
-    __slots__ = ("ask", "deny", "note", "t_estimate", "worker")
+    __slots__ = ("ask", "deny", "note", "reason", "t_estimate", "worker")
 
     def __init__(self, ask: Ask, t: float | None, worker: str | None, note: str = "") -> None:
         self.ask, self.t_estimate, self.worker, self.note = ask, t, worker, note
         self.deny = False
+        self.reason = ""
+        """A reason that replaces matching's (a budget)."""
 
 
 class Planner:
@@ -91,8 +99,11 @@ class Planner:
         *,
         pending: Sequence[PendingJob] = (),
         memo: Memo | None = None,
+        inflight: Iterable[tuple[str, int]] = (),
     ) -> None:
         self.now, self.policy = now, policy
+        held = [(r.queue, r.gpus) for w in fleet for r in w.running]
+        self.budgets = BudgetBook(dict(policy.budgets), [*held, *inflight])
         largest = max((w.caps.gpu_count for w in fleet), default=0)
         workload = Workload.of((j.req.ext_ml_gpu_count or 0 for j in pending), largest)
         exact = any(names_worker(j.req) for j in pending)
@@ -112,6 +123,12 @@ class Planner:
     def decide(self, job: PendingJob) -> None:
         """Assign, preempt for, reserve for or estimate `job` (see module doc)."""
         ask = Ask.of(job, self.now)
+        over = self.budgets.blocks(job.queue, _gpus(job))
+        if over is not None:  # waits without reserving or preempting (§10.3)
+            waiting = _Waiting(ask, None, None)
+            waiting.reason = over
+            self._waiting.append(waiting)
+            return
         found = self.view.fit_now(ask)
         if found is not None:
             self._assign(ask, *found)
@@ -122,6 +139,7 @@ class Planner:
 
     def _assign(self, ask: Ask, slot: Slot, score: PlacementScore) -> None:
         self.view.assign(ask, slot)
+        self.budgets.take(ask.job.queue, _gpus(ask.job))
         self._assignments.append(Assignment(ask.job.task_id, slot.name, score.total))
 
     def _unplaceable(self, ask: Ask) -> None:
@@ -154,6 +172,7 @@ class Planner:
         self.estimator.refresh(slot)
         victims = tuple(v.task_id for v in plan.victims)
         self._preemptions.append(Preemption(ask.job.task_id, slot.name, victims))
+        self.budgets.take(ask.job.queue, _gpus(ask.job))
         self._preempting(ask, slot, victims)
         return True
 
@@ -218,7 +237,7 @@ class Planner:
         annotations: dict[str, Annotation] = {}
         denials: list[Denial] = []
         for w in self._waiting:
-            reason = annotator.reason(w.ask)
+            reason = w.reason or annotator.reason(w.ask)
             if w.deny:
                 denials.append(Denial(w.ask.job.task_id, reason))
                 continue
@@ -233,7 +252,12 @@ class Planner:
             tuple(self._reservations),
             tuple(self._preemptions),
             tuple(denials),
+            self.budgets.report(),
         )
+
+
+def _gpus(job: PendingJob) -> int:
+    return int(job.req.ext_ml_gpu_count or 0)
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from celery_ojs_ml.allocator.model import Demand, preemptible_of
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.scheduler.budget import Budget
 from celery_ojs_ml.spec.classes import band as band_of
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -93,6 +94,8 @@ class RunningJob:
     """Runs with gpu_affinity `dedicated`: the whole worker is its own."""
     preempted_for: str | None = None
     """Task id of the job it is being preempted for (a preemption in flight)."""
+    queue: str = DEFAULT_QUEUE
+    """Its logical queue: what it holds counts against that queue's budget (§10.3)."""
 
     @classmethod
     def of(cls, task_id: str, req: MLRequirements, started_at: float, **kw: Any) -> RunningJob:
@@ -182,6 +185,8 @@ class Policy:
     """`ojs_ml_deny_unsatisfiable`: deny jobs no known worker could ever run (RFC 27 DENY)."""
     overdue_s: float = 10.0
     """A running job past its time limit is expected to end this much later."""
+    budgets: tuple[tuple[str, Budget], ...] = ()
+    """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
 
     @classmethod
     def from_settings(cls, settings: object) -> Policy:
@@ -193,7 +198,14 @@ class Policy:
             "locality_weight",
             "deny_unsatisfiable",
         )
-        found = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
+        found: dict[str, Any] = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
+        policies = getattr(settings, "queue_policies", None) or {}
+        found["budgets"] = tuple(
+            (queue, Budget(p.ml_limits.max_total_gpus, p.ml_limits.max_concurrent_gpu_jobs))
+            for queue, p in sorted(policies.items())
+            if p.ml_limits.max_total_gpus is not None
+            or p.ml_limits.max_concurrent_gpu_jobs is not None
+        )
         return cls(**found)
 
 
@@ -264,6 +276,8 @@ class Decision:
     reservations: tuple[Reservation, ...] = ()
     preemptions: tuple[Preemption, ...] = ()
     denials: tuple[Denial, ...] = ()
+    budgets: Mapping[str, Mapping[str, int | None]] = field(default_factory=dict)
+    """Each budgeted queue's use after the pass (`BudgetBook.report`), for `status`."""
 
     def assigned(self) -> dict[str, str]:
         """task id -> worker of every assignment."""
