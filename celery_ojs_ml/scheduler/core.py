@@ -188,6 +188,8 @@ class Planner:
         if firm:
             self._reserved += 1
             self._reserve(ask, found)
+            # its budget is held too, or later jobs of its queue could use it up meanwhile
+            self.budgets.take(ask.job.queue, _gpus(ask.job))
         elif found is not None:
             start, slot = found
             self._hold(ask, slot, start, "shadow")

@@ -109,6 +109,9 @@ def order_is_kept(p: Pass) -> None:
     for h in p.jobs.values():
         if h.task_id in assigned or h.task_id in p.preempting or h.gpu_affinity == "dedicated":
             continue
+        note = p.decision.annotations.get(h.task_id)
+        if note is not None and " budget: " in note.reason_pending:
+            continue  # over its queue's budget (§10.3): others may pass it
         for w in p.workers.values():
             behind = [j for j in p.on[w.name] if order_key(j) > order_key(h)]
             if not behind or not w.available or h.queue not in w.queues:

@@ -109,4 +109,5 @@ class Sim:
             preemptible=job.band == "spot",
             labels=job.labels,
             exclusive=job.gpu_affinity == "dedicated",
+            queue=job.queue,
         )

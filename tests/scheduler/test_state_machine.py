@@ -4,7 +4,8 @@ After every pass: capacity safety (DESIGN invariant 1), no wrong placement
 (2), band order (4, rule 1) and the backfill rule (7: every reservation still
 fits at its start beside every job that could still be there). Across passes:
 the job first in fleet order starts by the first reserved start it was given
-(7, no starvation), as long as it stays first and no worker is lost.
+(7, no starvation), as long as it stays first and no worker is lost. With a
+`train` budget (§10.3), the queue never holds more GPUs than its budget.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from celery_ojs_ml.scheduler import Policy, in_order
+from celery_ojs_ml.scheduler import Budget, Policy, in_order
 from tests.scheduler import checks
 from tests.scheduler.helpers import caps, job
 from tests.scheduler.sim import Sim, SimWorker
@@ -50,15 +51,21 @@ class FleetMachine(RuleBasedStateMachine):
         super().__init__()
         self.sim = Sim()
         self.n = 0
+        self.budget: int | None = None
         self.first: tuple[str, float] | None = None
         """(task id first in order, the reserved start it must start by)."""
 
     @initialize(
         depth=st.sampled_from([1, 2]),
         profiles=st.lists(st.sampled_from(PROFILES), min_size=1, max_size=3),
+        budget=st.sampled_from([None, 2, 8]),
     )
-    def start(self, depth: int, profiles: list[str]) -> None:
-        self.sim.policy = Policy(reservation_depth=depth, min_runtime_before_preemption_s=10)
+    def start(self, depth: int, profiles: list[str], budget: int | None) -> None:
+        budgets = () if budget is None else (("train", Budget(max_total_gpus=budget)),)
+        self.budget = budget
+        self.sim.policy = Policy(
+            reservation_depth=depth, min_runtime_before_preemption_s=10, budgets=budgets
+        )
         for p in profiles:
             self.join(p)
 
@@ -102,6 +109,12 @@ class FleetMachine(RuleBasedStateMachine):
         checks.reservations_hold(p)
         self._first_starts_in_time(head, p)
         sim.apply(decision)
+        if self.budget is not None:  # §10.3: the queue's budget peak never exceeds it
+            held = sum(
+                r.gpus for w in sim.workers.values() for r in w.running.values()
+                if r.queue == "train"
+            )  # fmt: skip
+            assert held <= self.budget, f"train holds {held} GPUs, budget {self.budget}"
 
     def _first_starts_in_time(self, head: str | None, p: checks.Pass) -> None:
         if self.first is not None and self.first[0] != head:
