@@ -109,6 +109,7 @@ class FleetScheduler:
             budgets=Policy.from_settings(s).budgets,
         )
         self._queue_of: LRU[str, str] = LRU(100_000)
+        self._escalated: LRU[str, bool] = LRU(100_000)
         """Queue of each job this leader assigned, for budgets until its lease shows it."""
         self.intake = intake_name(s.store_prefix)
         self.ledger = Ledger()
@@ -357,6 +358,7 @@ class FleetScheduler:
             key = self.store.key("scheduler", "budgets")
             self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
         jobs = {j.task_id: j for j in waiting}
+        self._escalations(decision, jobs)
         for a in decision.assignments:
             self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
         for p in decision.preemptions:
@@ -449,6 +451,18 @@ class FleetScheduler:
         self._declared.add(name)
         what = f"preempting {', '.join(victims)}" if victims else "to start"
         log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    def _escalations(self, decision: Decision, jobs: dict[str, PendingJob]) -> None:
+        """Log and send `ojs-escalated` once for each job a pass first sees escalated (§8.4)."""
+        fresh = [(t, was) for t, was in decision.escalations.items() if t not in self._escalated]
+        if not fresh:
+            return
+        with self.app.events.default_dispatcher() as dispatcher:
+            for task_id, was in fresh:
+                self._escalated[task_id] = True
+                to = jobs[task_id].req.ext_ml_escalation_target_class
+                log.info("ojs-ml: %s escalated from %s to %s (OJS ML §8.4)", task_id, was, to)
+                dispatcher.send("ojs-escalated", uuid=task_id, band_from=was, band_to=to)
 
     def _annotate(self, decision: Decision) -> None:
         changed: dict[str, tuple[str, float | None, str | None]] = {}

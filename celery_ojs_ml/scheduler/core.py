@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
+from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.model import (
@@ -61,8 +62,10 @@ def schedule(
     `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
     running jobs; they count against their queue's budget (§10.3).
     """
-    ordered = in_order(pending)
+    jobs, raised = escalate_all(pending, now)
+    ordered = in_order(jobs)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
+    planner.escalated = raised
     for job in ordered:
         planner.decide(job)
     return planner.decision()
@@ -119,6 +122,8 @@ class Planner:
         self._preemptions: list[Preemption] = []
         self._waiting: list[_Waiting] = []
         self._reserved = 0
+        self.escalated: dict[str, str] = {}
+        """Jobs escalated in this pass (§8.4): task id -> the band they were submitted in."""
 
     def decide(self, job: PendingJob) -> None:
         """Assign, preempt for, reserve for or estimate `job` (see module doc)."""
@@ -245,6 +250,9 @@ class Planner:
                 continue
             if w.note:
                 reason = f"{reason}; {w.note}"
+            was = self.escalated.get(w.ask.job.task_id)
+            if was is not None:
+                reason = f"{reason}; escalated from {was} to {w.ask.job.band} (§8.4)"
             annotations[w.ask.job.task_id] = Annotation(
                 w.ask.job.task_id, reason, w.t_estimate, w.worker
             )
@@ -255,6 +263,7 @@ class Planner:
             tuple(self._preemptions),
             tuple(denials),
             self.budgets.report(),
+            dict(self.escalated),
         )
 
 

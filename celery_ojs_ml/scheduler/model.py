@@ -278,6 +278,8 @@ class Decision:
     denials: tuple[Denial, ...] = ()
     budgets: Mapping[str, Mapping[str, int | None]] = field(default_factory=dict)
     """Each budgeted queue's use after the pass (`BudgetBook.report`), for `status`."""
+    escalations: Mapping[str, str] = field(default_factory=dict)
+    """Jobs this pass saw escalated (§8.4): task id -> the band they were submitted in."""
 
     def assigned(self) -> dict[str, str]:
         """task id -> worker of every assignment."""
