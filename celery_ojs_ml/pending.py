@@ -123,6 +123,18 @@ class PendingBook:
         raw = self._r.hgetall(self._key(task_id))
         return _decode(raw) if raw else None
 
+    def started_at(self, task_ids: list[str]) -> dict[str, float | None]:
+        """When each job's gate started it; None when it is not started or has no record."""
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id in task_ids:
+                pipe.hmget(self._key(task_id), "state", "started_at")
+            rows = pipe.execute()
+        out: dict[str, float | None] = {}
+        for task_id, (state, at) in zip(task_ids, rows, strict=True):
+            ok = state is not None and _text(state) == STARTED and at is not None
+            out[task_id] = float(_text(at)) if ok else None
+        return out
+
     def records(self) -> dict[str, dict[str, Any]]:
         """Every waiting or assigned job: `{task_id: record}`, in admission order."""
         ids = [_text(i) for i in self._r.zrange(self._index, 0, -1)]

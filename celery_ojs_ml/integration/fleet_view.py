@@ -184,39 +184,50 @@ def _running(
     )
 
 
+@dataclass
+class BudgetHold:
+    """A job this leader assigned, counted against its queue's budget until its lease shows."""
+
+    queue: str
+    gpus: int
+    worker: str
+
+
 def budget_inflight(
+    holds: dict[str, BudgetHold],
     records: Mapping[str, Mapping[str, Any]],
     leases: list[dict[str, Any]],
     live: Mapping[str, Mapping[str, Any]],
-    ledger: Ledger,
-    queue_of: LRU[str, str],
-    parse: Parse,
+    started: Mapping[str, float | None],
 ) -> list[tuple[str, int]]:
-    """(queue, GPUs) of every job that holds budget but has no lease yet (§10.3).
+    """(queue, GPUs) of the assigned jobs that hold budget and have no lease yet (§10.3).
 
-    Assigned records, jobs the workers' last heartbeats show allocated, and
-    this leader's recent assignments (the ledger), each counted once by task
-    id, so a job is counted from its assignment until its lease takes over.
+    `holds` are this leader's assignments; `started` gives, for those no longer
+    in the pending set, when their gate started them (None: not started, or
+    gone). A hold is counted until its lease shows (the lease is counted as a
+    running job), and dropped once the job is back to pending, gone, or ended:
+    started, no lease, and a heartbeat of its worker newer than its start that
+    does not show it allocated. Assigned records of an earlier leader are
+    counted from the pending set. `holds` is pruned in place.
     """
-    seen = {str(lease.get("task_id")) for lease in leases}
+    running = {str(lease.get("task_id")) for lease in leases}
+    allocated = allocated_ids(live)
     out: list[tuple[str, int]] = []
     for task_id, record in records.items():
-        if record.get("state") != ASSIGNED or task_id in seen:
+        if record.get("state") == ASSIGNED and task_id not in holds and task_id not in running:
+            meta = record.get("meta") or {}
+            out.append((str(meta.get("queue") or "celery"), int(meta.get("gpus") or 0)))
+    for task_id, hold in list(holds.items()):
+        found = records.get(task_id)
+        if task_id in running or (found is not None and found.get("state") == PENDING):
+            del holds[task_id]
             continue
-        job = pending_job(task_id, record, parse)
-        if job is not None:
-            seen.add(task_id)
-            out.append((job.queue, int(job.req.ext_ml_gpu_count or 0)))
-    for entry in live.values():
-        for alloc in (entry.get("free") or {}).get("allocations") or []:
-            task_id = str(alloc.get("task_id"))
-            queue = queue_of.get(task_id)
-            if task_id not in seen and queue is not None:
-                seen.add(task_id)
-                out.append((queue, len(alloc.get("devices") or [])))
-    for task_id, settled in ledger.entries.items():
-        queue = queue_of.get(task_id)
-        if task_id not in seen and queue is not None:
-            seen.add(task_id)
-            out.append((queue, settled.demand.gpus))
+        if found is None:
+            at = started.get(task_id)
+            beat = float((live.get(hold.worker) or {}).get("ts") or 0.0)
+            shown = task_id in allocated.get(hold.worker, frozenset())
+            if at is None or (beat > at and not shown):
+                del holds[task_id]  # gone, or it ended before its lease was written
+                continue
+        out.append((hold.queue, hold.gpus))
     return out

@@ -42,6 +42,7 @@ from celery_ojs_ml.checkpoint import last_checkpoint
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
 from celery_ojs_ml.integration.fleet_view import (
+    BudgetHold,
     Ledger,
     allocated_ids,
     budget_inflight,
@@ -108,7 +109,9 @@ class FleetScheduler:
             locality_weight=s.locality_weight,
             budgets=Policy.from_settings(s).budgets,
         )
-        self._queue_of: LRU[str, str] = LRU(100_000)
+        self._budgeted = {queue for queue, _ in self.policy.budgets}
+        self._holds: dict[str, BudgetHold] = {}
+        """Assignments of budgeted queues not yet seen running (see `budget_inflight`)."""
         self._escalated: LRU[str, bool] = LRU(100_000)
         """Queue of each job this leader assigned, for budgets until its lease shows it."""
         self.intake = intake_name(s.store_prefix)
@@ -300,6 +303,7 @@ class FleetScheduler:
             "task": headers.get("task"),
             "queue": headers.get("ojs_logical_queue") or "celery",
             "band": headers.get("ojs_band") or "",
+            "gpus": headers.get("ext_ml_gpu_count") or 0,
             "priority": props.get("priority") or 0,
             "submitted_at": time.time(),
             "time_limit_s": limit,
@@ -348,11 +352,7 @@ class FleetScheduler:
                 job = pending_job(task_id, record, self.parse)
                 if job is not None:
                     waiting.append(job)
-        inflight = (
-            budget_inflight(records, leases, live, self.ledger, self._queue_of, self.parse)
-            if self.policy.budgets
-            else []
-        )
+        inflight = self._inflight(records, leases, live) if self.policy.budgets else []
         decision = schedule(waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight)
         if decision.budgets:
             key = self.store.key("scheduler", "budgets")
@@ -431,7 +431,9 @@ class FleetScheduler:
         from celery_ojs_ml.allocator.model import Demand
 
         self.ledger.assigned(task_id, worker, Demand.of(job.req), now)
-        self._queue_of[task_id] = job.queue
+        if job.queue in self._budgeted:
+            gpus = int(job.req.ext_ml_gpu_count or 0)
+            self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
         msg = record["msg"]
         headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
         headers.pop("ojs_pending", None)
@@ -451,6 +453,14 @@ class FleetScheduler:
         self._declared.add(name)
         what = f"preempting {', '.join(victims)}" if victims else "to start"
         log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    def _inflight(
+        self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any
+    ) -> list[tuple[str, int]]:
+        """Budget use of assignments not yet running, by task id (§10.3)."""
+        gone = [t for t in self._holds if t not in records]
+        started = self.book.started_at(gone) if gone else {}
+        return budget_inflight(self._holds, records, leases, live, started)
 
     def _escalations(self, decision: Decision, jobs: dict[str, PendingJob]) -> None:
         """Log and send `ojs-escalated` once for each job a pass first sees escalated (§8.4)."""
