@@ -21,6 +21,7 @@ from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.pending import ASSIGNED, PENDING
@@ -54,7 +55,7 @@ def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> Pendin
         queue=str(meta.get("queue") or "celery"),
         band=str(meta.get("band") or ""),
         gpu_affinity=affinity if affinity in _AFFINITY else "pack",
-        labels={"job_type": str(headers.get("task") or "")},
+        labels=job_labels(headers.get("task"), headers),
     )
 
 
@@ -170,7 +171,10 @@ def _running(
     req = parse(headers)
     if req is None:
         return None
-    extra: dict[str, Any] = {"gpus": len(lease.get("devices") or [])}
+    extra: dict[str, Any] = {
+        "gpus": len(lease.get("devices") or []),
+        "labels": job_labels(lease.get("name"), headers),
+    }
     queue = headers.get("ojs_logical_queue")
     if isinstance(queue, str) and queue:
         extra["queue"] = queue

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
+from celery_ojs_ml.integration.labels import HEADER_LABELS, declared_labels
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.classes import (
     BANDS,
@@ -133,6 +134,13 @@ class MLRouter:
             return None  # a plain task of a queue without ml_defaults stays plain Celery
         found = self._resolve(attrs, logical)
         headers = {**(options.get("headers") or {}), **found.headers}
+        labels = {
+            **declared_labels(getattr(task, "ml_labels", None)),
+            **declared_labels(headers.get(HEADER_LABELS), HEADER_LABELS),
+        }  # a job's own labels (§7.3): the call's win over the task's
+        headers.pop(HEADER_LABELS, None)
+        if labels:
+            headers[HEADER_LABELS] = labels
         options["headers"] = headers
         if not found.hard:
             return None

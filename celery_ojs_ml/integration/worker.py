@@ -37,6 +37,7 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import assigned, child
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
+from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.routing import (
@@ -545,7 +546,13 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         headers = req.request_dict
         with self.lock:
             ml = self.preemptions.cap(ml, headers)
-            outcome = self.allocator.try_alloc(req, req.id, ml, priority=band_priority(headers))
+            outcome = self.allocator.try_alloc(
+                req,
+                req.id,
+                ml,
+                priority=band_priority(headers),
+                labels=job_labels(req.name, headers),
+            )
             if assigned.token_of(req) is not None and not isinstance(outcome, Allocation):
                 return self._not_fitting(req, outcome)
             if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:

@@ -9,7 +9,7 @@ everywhere, so the ranking falls back to the caller's tie-break.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,9 +67,17 @@ def hard_reasons(
 
 
 def score(
-    req: MLRequirements, worker: Capabilities, *, locality_weight: int = DEFAULT_LOCALITY_WEIGHT
+    req: MLRequirements,
+    worker: Capabilities,
+    *,
+    locality_weight: int = DEFAULT_LOCALITY_WEIGHT,
+    running: Sequence[Mapping[str, str]] = (),
 ) -> float:
-    """Weighted share of satisfied soft constraints, 0-100 (§7.2, §11.3)."""
+    """Weighted share of satisfied soft constraints, 0-100 (§7.2, §7.3, §11.3).
+
+    A preferred anti-affinity rule (§7.3) is satisfied when it holds neither on
+    the worker nor on any of its `running` jobs' labels.
+    """
     labels = worker.derived_labels()
     got = total = 0
     preferred = req.ext_ml_affinity.preferred if req.ext_ml_affinity else ()
@@ -77,6 +85,12 @@ def score(
         weight = DEFAULT_RULE_WEIGHT if rule.weight is None else rule.weight
         total += weight
         got += weight if rule_holds(rule, labels) else 0
+    avoid = req.ext_ml_anti_affinity.preferred if req.ext_ml_anti_affinity else ()
+    for rule in avoid:
+        weight = DEFAULT_RULE_WEIGHT if rule.weight is None else rule.weight
+        total += weight
+        near = any(rule_holds(rule, x) for x in (labels, *running) if rule.key in x)
+        got += 0 if near else weight
     if req.ext_ml_model_id and locality_weight:
         total += locality_weight
         got += locality_weight if has_model(worker, req) else 0

@@ -160,7 +160,9 @@ class FleetView:
         key = (job.class_key, ask.soft, job.gpu_affinity, group.idx, shape)
         hit = self._scores.get(key)
         if hit is None:
-            soft = soft_score(job.req, group.caps, locality_weight=self.policy.locality_weight)
+            running = tuple(dict(k) for k in shape[1])
+            weight = self.policy.locality_weight
+            soft = soft_score(job.req, group.caps, locality_weight=weight, running=running)
             hit = self._scores[key] = placement(
                 ask.want,
                 shape[0],

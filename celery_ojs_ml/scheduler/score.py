@@ -96,7 +96,8 @@ def score_placement(
     policy: Policy = DEFAULT_POLICY,
 ) -> PlacementScore:
     """The score of placing `req` on a worker with `caps` and `free` now (see module doc)."""
-    affinity = soft_score(req, caps, locality_weight=policy.locality_weight)
+    running = free.running_labels
+    affinity = soft_score(req, caps, locality_weight=policy.locality_weight, running=running)
     return placement(
         demand_of(req), from_free(free), totals_of(caps), affinity, workload, gpu_affinity, policy
     )
