@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
+from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.integration.labels import HEADER_LABELS, declared_labels
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.classes import (
@@ -79,12 +80,30 @@ def queue_name(logical: str, cid: str, band_name: str) -> str:
 
 
 def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The task's `ml=` option overlaid with per-call `ext_ml_*`/`ext_mlx_*` headers."""
-    attrs = dict(getattr(task, "ml", None) or {})
+    """The task's `ml=` option overlaid with per-call `ext_ml_*`/`ext_mlx_*` headers.
+
+    Raises SpecError naming `ml` when the task option is not a mapping; header
+    keys that are not strings are not ML attributes (they pass through).
+    """
+    ml = getattr(task, "ml", None)
+    if ml is not None and not isinstance(ml, Mapping):
+        raise SpecError(
+            Violation(
+                "ml",
+                f"is {ml!r}, not a mapping of ext_ml_* attributes",
+                "OJS ML §3",
+                'declare the task with ml={"ext_ml_gpu_count": 1}',
+            )
+        )
+    attrs = dict(ml or {})
     for key, value in (headers or {}).items():
-        if key.startswith("ext_ml"):
+        if _is_ml(key):
             attrs[key] = value
     return attrs
+
+
+def _is_ml(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith("ext_ml")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +152,8 @@ class MLRouter:
         if not attrs and logical not in self.plugin.defaulted_queues:
             return None  # a plain task of a queue without ml_defaults stays plain Celery
         found = self._resolve(attrs, logical)
-        headers = {**(options.get("headers") or {}), **found.headers}
+        caller = {k: v for k, v in (options.get("headers") or {}).items() if not _is_ml(k)}
+        headers = {**caller, **found.headers}  # ML attributes go out in canonical form only
         labels = {
             **declared_labels(getattr(task, "ml_labels", None)),
             **declared_labels(headers.get(HEADER_LABELS), HEADER_LABELS),
