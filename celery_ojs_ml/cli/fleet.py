@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import textwrap
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
@@ -278,7 +279,11 @@ def _render_queued(found: dict[str, Any]) -> str:
 
 def render_status(report: dict[str, Any]) -> str:
     """The human view: one block per worker, then the waiting jobs with their reasons."""
-    blocks = [_worker_block(name, view) for name, view in report["workers"].items()]
+    scheduled = (report.get("scheduler") or {}).get("jobs") or {}
+    blocks = [
+        _worker_block(name, view, _reserved_on(name, scheduled, report["time"]))
+        for name, view in report["workers"].items()
+    ]
     if not blocks:
         blocks = ["no ojs-ml workers: none answered inspect and the store lists none live"]
     if "scheduler" in report:  # gather() always reads it; a hand-built report may not
@@ -288,7 +293,19 @@ def render_status(report: dict[str, Any]) -> str:
     return "\n\n".join(blocks)
 
 
-def _worker_block(name: str, view: dict[str, Any]) -> str:
+def _reserved_on(worker: str, jobs: dict[str, Any], now: float) -> list[str]:
+    """The waiting jobs the scheduler holds this worker's capacity for (its reservations)."""
+    out = []
+    for task_id, job in sorted(jobs.items(), key=lambda kv: kv[1].get("since") or 0):
+        if job.get("state") != "pending" or job.get("worker") != worker:
+            continue
+        start = job.get("t_estimate")
+        when = f"starts in ~{max(0.0, start - now):.0f} s" if start else "start unknown"
+        out.append(f"{task_id} ({when})")
+    return out
+
+
+def _worker_block(name: str, view: dict[str, Any], reserved: Sequence[str] = ()) -> str:
     state = view["state"]
     if state == NO_GATE:
         return f"{name}  {NO_GATE}: {view.get('error')}"
@@ -300,6 +317,8 @@ def _worker_block(name: str, view: dict[str, Any]) -> str:
     lines += _field("pinning", _PINNING.get(view.get("pinning"), "unknown"))
     lines += _device_lines(view["devices"], view["allocations"])
     lines += _held_lines(view["held"])
+    for entry in reserved:
+        lines += _field("reserved", entry)
     if view.get("queues"):
         lines += _field("queues", ", ".join(view["queues"]))
     return "\n".join(lines)

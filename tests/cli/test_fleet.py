@@ -91,6 +91,7 @@ w1@h  answering  2x nvidia-l4
   gpu 0     t-run (band reserved)
   gpu 1     free
   held      t-held (band spot): gpu_count free 1 < 2
+  reserved  t-big (starts in ~12 s)
   queues    celery.ml.abc.spot
 
 w2@h  not answering (last heartbeat 2.5 s ago; state from the store)  2x nvidia-l4
