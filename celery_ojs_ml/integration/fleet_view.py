@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
@@ -65,6 +65,8 @@ class _Settled:
     demand: Demand
     since: float
     """When the scheduler last saw it still assigned (its heartbeat must be newer)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The job's own labels (§7.3): other jobs' anti-affinity sees them before it runs."""
 
 
 class Ledger:
@@ -73,9 +75,24 @@ class Ledger:
     def __init__(self) -> None:
         self.entries: dict[str, _Settled] = {}
 
-    def assigned(self, task_id: str, worker: str, demand: Demand, now: float) -> None:
+    def assigned(
+        self,
+        task_id: str,
+        worker: str,
+        demand: Demand,
+        now: float,
+        labels: Mapping[str, str] | None = None,
+    ) -> None:
         """The scheduler just assigned `task_id` to `worker`."""
-        self.entries[task_id] = _Settled(worker, demand, now)
+        self.entries[task_id] = _Settled(worker, demand, now, dict(labels or {}))
+
+    def labels(self) -> dict[str, list[Mapping[str, str]]]:
+        """Each worker's in-flight jobs' labels (call after `used`, which prunes)."""
+        out: dict[str, list[Mapping[str, str]]] = {}
+        for entry in self.entries.values():
+            if entry.labels:
+                out.setdefault(entry.worker, []).append(entry.labels)
+        return out
 
     def used(
         self,
@@ -117,6 +134,7 @@ def worker_states(
     parse: Parse,
     caps_memo: LRU[str, Capabilities],
     checkpoints: Mapping[str, float] | None = None,
+    inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
 ) -> list[WorkerState]:
     """Every live worker with its free capacity (less the ledger) and its running jobs.
 
@@ -140,6 +158,10 @@ def worker_states(
             cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
             memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
             tpu_chips=(counts.get("tpu_chip_count") or None),
+            running_labels=(
+                *(r.labels for r in running.get(name, ()) if r.labels),
+                *(inflight_labels or {}).get(name, ()),
+            ),
         )
         queues = (entry.get("info") or {}).get("queues")
         states.append(

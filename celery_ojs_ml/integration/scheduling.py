@@ -344,7 +344,13 @@ class FleetScheduler:
         used = self.ledger.used(records, beats, allocated_ids(live), now)
         leases = self.leases.all()
         fleet = worker_states(
-            live, leases, used, self.parse_running, self.caps, self._checkpoints(leases)
+            live,
+            leases,
+            used,
+            self.parse_running,
+            self.caps,
+            self._checkpoints(leases),
+            self.ledger.labels(),
         )
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
@@ -430,7 +436,7 @@ class FleetScheduler:
             return
         from celery_ojs_ml.allocator.model import Demand
 
-        self.ledger.assigned(task_id, worker, Demand.of(job.req), now)
+        self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels)
         if job.queue in self._budgeted:
             gpus = int(job.req.ext_ml_gpu_count or 0)
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)

@@ -377,3 +377,26 @@ def _busy(store: OJSStore, worker: str) -> int:
 def _assigned(book: PendingBook, task_id: str) -> dict[str, Any] | None:
     record = book.get(task_id)
     return record if record and record.get("state") == "assigned" else None
+
+
+def test_prioritize_moves_a_waiting_job_ahead_of_jobs_submitted_before_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """RFC 27 prioritize through `celery ojs-ml prioritize TASK_ID PRIORITY` (higher first)."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    obj = CLIContext(app=app, no_color=True, workdir=None, quiet=False)
+    with running([_worker("one", redis_url, "nvidia-a100x1", tmp_path)], store):
+        blocker = record.apply_async(args=["blocker", 2.0])
+        _wait(lambda: _started(store, blocker.id), 20, "the blocker to start")
+        first, second, last = (record.apply_async(args=[t, 0.1]).id for t in "abc")
+        _wait(lambda: PendingBook(store).get(last), 10, "the leader to admit the last job")
+        result = CliRunner().invoke(cli, ["prioritize", last, "9"], obj=obj)
+        assert result.exit_code == 0, result.output
+        unknown = CliRunner().invoke(cli, ["prioritize", "no-such-job", "9"], obj=obj)
+        assert unknown.exit_code == 1
+        _wait(lambda: len(_results(redis_client)) == 4, 30, "all four jobs")
+    by_id = {r["task_id"]: r for r in _results(redis_client)}
+    assert by_id[last]["start"] < by_id[first]["start"] < by_id[second]["start"]
+    app.close()
