@@ -229,7 +229,7 @@ class PendingBook:
 
     def give_back(self, task_id: str, token: str, reason: str) -> bool:
         """`assigned` (with this token) -> `pending` with a reason; the gate could not run it."""
-        fields = {"state": PENDING, "reason": reason, "returned_by": ""}
+        fields = {"state": PENDING, "reason": reason, "returned_at": repr(self.store._clock())}
         return self._cas(
             task_id,
             lambda r: r.get("state") == ASSIGNED and r.get("token") == token,

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _MIN_PASS_GAP_S = 0.01
 """Shortest time between two scheduling passes (see `FleetScheduler.step`)."""
+_RETURN_BACKOFF_S = 0.5
+"""How long a job given back by a gate (or taken back) waits before it is assigned again."""
 _ADMIT_BATCH = 200
 """Most intake messages admitted per transaction (prefetch is 256)."""
 
@@ -354,7 +356,7 @@ class FleetScheduler:
         )
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
-            if record.get("state") == "pending":
+            if record.get("state") == "pending" and not self._cooling(record, now):
                 job = pending_job(task_id, record, self.parse)
                 if job is not None:
                     waiting.append(job)
@@ -459,6 +461,12 @@ class FleetScheduler:
         self._declared.add(name)
         what = f"preempting {', '.join(victims)}" if victims else "to start"
         log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    @staticmethod
+    def _cooling(record: dict[str, Any], now: float) -> bool:
+        """Just given or taken back: sit out `_RETURN_BACKOFF_S`, so a job the leader's view
+        and a gate disagree on cannot bounce between them on every pass."""
+        return now - float(record.get("returned_at") or 0.0) < _RETURN_BACKOFF_S
 
     def _inflight(
         self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any

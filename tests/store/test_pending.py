@@ -517,3 +517,15 @@ def test_a_batch_admission_admits_new_jobs_and_skips_known_ones(book: PendingBoo
     assert list(book.records()) == ["job-1", "job-2", "job-3"]
     record = book.get("job-1")
     assert record is not None and record["msg"] != {"body": "again"}, "the first copy stays"
+
+
+def test_a_job_given_back_records_when_so_the_leader_can_back_off(book: PendingBook) -> None:
+    from celery_ojs_ml.integration.scheduling import FleetScheduler
+
+    token = _assigned(book)
+    assert book.give_back("job-1", token, "anti-affinity holds on a running job") is True
+    record = book.get("job-1")
+    assert record is not None and float(record["returned_at"]) > 0
+    at = float(record["returned_at"])
+    assert FleetScheduler._cooling(record, at + 0.1) is True, "not re-offered at once"
+    assert FleetScheduler._cooling(record, at + 0.6) is False, "re-offered after the backoff"
