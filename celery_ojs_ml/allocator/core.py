@@ -31,6 +31,7 @@ from celery_ojs_ml.allocator.model import (
     rank,
 )
 from celery_ojs_ml.allocator.policy import blocker, choose_victims, counted_reasons, is_victim
+from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict
 from celery_ojs_ml.matching.match import hard_reasons
@@ -46,6 +47,8 @@ _ASSESSED_MAX = 1024
 class _Job:
     alloc: Allocation
     labels: Mapping[str, str]
+    pool: str | None = None
+    """The dynamic reservation (§8.3) it runs inside, if any (`allocator.pools`)."""
     shape: tuple[Any, ...] = field(init=False)
     """What `Allocator.capacity_key` knows of this job (computed once, at commit)."""
 
@@ -59,6 +62,7 @@ class _Job:
             a.memory_gb,
             a.tpu_chips,
             tuple(sorted(self.labels.items())),
+            self.pool,
         )
         object.__setattr__(self, "shape", shape)  # frozen: set once, here
 
@@ -97,6 +101,21 @@ class Allocator:
         self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, _Assessment]] = {}
         self._free_by_shape: dict[Hashable, Demand] = {}
         """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
+        self._pools: dict[str, Demand] = {}
+        """Dynamic reservations held here: id -> the capacity carved out for it (§8.3)."""
+
+    def set_pools(self, pools: Mapping[str, Demand]) -> None:
+        """Hold exactly these reservations (`allocator.pools`); others end here."""
+        if dict(pools) != self._pools:
+            self._pools = dict(pools)
+            self._shape = self._free_now = None
+            self._assessed.clear()
+            self._free_by_shape.clear()
+
+    @property
+    def pools(self) -> Mapping[str, Demand]:
+        """The reservations held here and their sizes."""
+        return dict(self._pools)
 
     def try_alloc(
         self,
@@ -235,13 +254,16 @@ class Allocator:
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for `celery inspect stats`, Flower and `celery ojs-ml status`."""
         owners = {i: a.task_id for a in self.allocations() for i in a.devices}
-        return {
+        snap = {
             "capacity": _counts(self._total),
             "free": _counts(self._free(())),
             "devices": {str(i): owners.get(i) for i in range(self._caps.gpu_count)},
             "allocations": [a.as_dict() for a in self.allocations()],
             "held": [p.as_dict() for p in self.held()],
         }
+        if self._pools:  # only while any is held: the heartbeat stays as small as before
+            snap["reservations"] = {rid: _counts(d) for rid, d in self._pools.items()}
+        return snap
 
     def _check_new(self, key: Hashable) -> None:
         if key in self._running or key in self._held:
@@ -265,6 +287,8 @@ class Allocator:
         (`capacity_key` names each running job's counted demand), so it is
         remembered per shape: a worker cycling through alike jobs sums only once.
         """
+        if self._pools:
+            return self._free_in(None, released)
         if not released:
             if self._free_now is None:
                 shape = self._shape_now()
@@ -281,6 +305,14 @@ class Allocator:
         used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
         return self._total.minus(used)
 
+    def _free_in(self, pool: str | None, released: Collection[Allocation]) -> Demand:
+        """Free for a job inside `pool` (None: outside every pool), `released` gone."""
+        gone = {a.key for a in released}
+        uses = [(j.pool, j.alloc.demand) for k, j in self._running.items() if k not in gone]
+        if pool is None:
+            return general_free(self._total, uses, self._pools)
+        return pool_free(pool, uses, self._pools)
+
     def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
         free, gone = self._free(released), {a.key for a in released}
         return FreeCapacity(
@@ -291,6 +323,7 @@ class Allocator:
             running_labels=tuple(
                 j.labels for k, j in self._running.items() if j.labels and k not in gone
             ),
+            reservations=frozenset(self._pools),
         )
 
     def _assess_now(self, req: MLRequirements) -> _Assessment:
@@ -301,6 +334,8 @@ class Allocator:
         alike jobs matches each (request, shape) once. The cache keeps the
         request object alive, so its `id` cannot be reused while cached.
         """
+        if self._pools:
+            return self._assess(req, ())
         key = (id(req), self.capacity_key())
         hit = self._assessed.get(key)
         if hit is not None and hit[0] is req:
@@ -315,10 +350,12 @@ class Allocator:
         self, req: MLRequirements, ahead: Sequence[Pending], released: Collection[Allocation] = ()
     ) -> _Assessment:
         """FITS / WAIT / NEVER with reasons; counted resources are judged here (reserves)."""
-        free = self._free(released)
+        pool = pool_of(req.ext_ml_reservation_id, self._pools)
+        free = self._free_in(pool, released) if pool else self._free(released)
+        total = self._pools[pool] if pool else self._total
         found = hard_reasons(req, self._caps, self._capacity_view(released))
         reasons = [r for r in found if r.resource not in _COUNTED]
-        reasons += counted_reasons(Demand.of(req), self._total, free)
+        reasons += counted_reasons(Demand.of(req), total, free)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
         if never:
             return _Assessment(Verdict.NEVER, never, _join(never))
@@ -334,7 +371,8 @@ class Allocator:
         self, key: Hashable, task_id: str, req: MLRequirements, band: str, labels: Mapping[str, str]
     ) -> Allocation:
         want = Demand.of(req)
-        if want.short_of(self._free(())):
+        pool = pool_of(req.ext_ml_reservation_id, self._pools)
+        if want.short_of(self._free_in(pool, ()) if pool else self._free(())):
             raise AllocatorError(f"task {task_id} does not fit; refusing to overcommit")
         taken = {i for a in self.allocations() for i in a.devices}
         free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
@@ -349,7 +387,7 @@ class Allocator:
             preemptible_of(req),
             self._clock(),
         )
-        job = self._running[key] = _Job(alloc, dict(labels))
+        job = self._running[key] = _Job(alloc, dict(labels), pool)
         self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
         self._shape = self._free_now = None
         return alloc

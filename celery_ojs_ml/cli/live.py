@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from celery_ojs_ml.cli import fleet as fleet_view
-from celery_ojs_ml.cli import offline, sched
+from celery_ojs_ml.cli import offline, reserve, sched
 from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
 from celery_ojs_ml.matching import pending_message, rank
@@ -271,7 +271,16 @@ def _outcome(plugin: OJSML, task_id: str, timeout: float | None) -> dict[str, An
     return {"state": result.state, "result": value}
 
 
-LIVE_COMMANDS = (status, explain, submit, sched.scheduler, sched.prioritize)
+LIVE_COMMANDS = (
+    status,
+    explain,
+    submit,
+    sched.scheduler,
+    sched.prioritize,
+    reserve.reservations,
+    reserve.reserve,
+    reserve.release,
+)
 """Registered on the `ojs-ml` group; this `explain` replaces the offline-only one."""
 
 __all__ = ["LIVE_COMMANDS", "explain", "load_plugin", "status", "submit", "task_ids"]

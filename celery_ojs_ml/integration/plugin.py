@@ -241,6 +241,62 @@ class OJSML:
         self.app.control.revoke(task_id)
         return dropped
 
+    # -- reservations (OJS ML §8.3; docs/scheduling.md) ------------------------------------
+
+    def reserve(
+        self,
+        requirements: dict[str, Any],
+        *,
+        reservation_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Create a reservation of `requirements` (the job vocabulary) and return its id.
+
+        The scheduler places it like a job and holds its capacity idle for the
+        jobs that name it in `ext_ml_reservation_id`; it ends at `release` or
+        after `timeout_s` (else the requirements' `ext_ml_reservation_timeout_s`,
+        else `ojs_ml_reservation_timeout_s`).
+        """
+        from celery_ojs_ml.integration.reservations import ReservationBook, new_id, reservable
+
+        rid = new_id(reservation_id)
+        req, timeout = reservable(requirements, timeout_s, self.parse_options, self.settings)
+        with self.store_errors():
+            ReservationBook(self.store).create(rid, req.flat(), timeout)
+        self._wake()
+        return rid
+
+    def check_reservation(self, req: MLRequirements) -> None:
+        """§8.3 MUST verify at publish: the job's reservation exists and can hold it."""
+        from celery_ojs_ml.integration.reservations import ReservationBook, check_at_publish
+        from celery_ojs_ml.spec.envelope import requirements_of
+
+        def static(rid: str) -> bool:  # a worker labelled reservation_id (a static reservation)
+            return any(
+                c.derived_labels().get("reservation_id") == rid for c, _ in self.live_workers()
+            )
+
+        def parse(attrs: Any) -> MLRequirements:
+            return requirements_of(attrs, None, self.parse_options)[0]
+
+        book = ReservationBook(self.store)
+        check_at_publish(book, req, static, self.settings.max_reservation_s, parse)
+
+    def release(self, reservation_id: str) -> bool:
+        """End a reservation: its idle capacity is free again; False if it was not held."""
+        from celery_ojs_ml.integration.reservations import ReservationBook
+
+        with self.store_errors():
+            ended = ReservationBook(self.store).end(reservation_id, "released")
+        self._wake()
+        return ended
+
+    def reservations(self) -> dict[str, dict[str, Any]]:
+        """Every reservation record by id (`celery ojs-ml reservations` prints them)."""
+        from celery_ojs_ml.integration.reservations import ReservationBook
+
+        return ReservationBook(self.store).all()
+
     def _wake(self) -> None:
         from celery_ojs_ml.integration.scheduling import send_wake
 

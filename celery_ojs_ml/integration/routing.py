@@ -188,6 +188,8 @@ class MLRouter:
     ) -> dict[str, Any]:
         cid, band_name = found.cid, found.band
         with self.plugin.store_errors():
+            if found.req.ext_ml_reservation_id is not None:
+                self.plugin.check_reservation(found.req)  # before anything is written (§8.3)
             self.plugin.register_class(cid, found.constraints, logical, band_name)
             reason = self.plugin.check_satisfiable(found.req, cid, logical)
         if reason is not None:

@@ -51,10 +51,12 @@ from celery_ojs_ml.integration.fleet_view import (
 )
 from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
 from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
+from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
+from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ class FleetScheduler:
         self._escalated: LRU[str, bool] = LRU(100_000)
         """Queue of each job this leader assigned, for budgets until its lease shows it."""
         self.intake = intake_name(s.store_prefix)
+        self.reservations = ReservationBook(self.store)
         self.ledger = Ledger()
         self.memo = Memo()
         self.caps: LRU[str, Capabilities] = LRU(4096)
@@ -361,19 +364,45 @@ class FleetScheduler:
                 if job is not None:
                     waiting.append(job)
         inflight = self._inflight(records, leases, live) if self.policy.budgets else []
-        decision = schedule(waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight)
+        reserved = self.reservations.tend(now) if self._any_reservations() else {}
+        pools = pools_of(reserved, live, self.admission.parse, now)
+        decision = schedule(
+            waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight, pools=pools
+        )
         if decision.budgets:
             key = self.store.key("scheduler", "budgets")
             self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
         jobs = {j.task_id: j for j in waiting}
         self._escalations(decision, jobs)
         for a in decision.assignments:
+            if a.task_id.startswith(PREFIX):
+                self._place(a.task_id[len(PREFIX) :], a.worker)
+                continue
             self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
+        for d in decision.denials:
+            self._deny(d.task_id, records.get(d.task_id), d.note)
         for p in decision.preemptions:
             self._deliver(p.task_id, p.worker, records[p.task_id], jobs[p.task_id], p.victims, now)
         self._annotate(decision)
         self.passes += 1
         return decision
+
+    def _any_reservations(self) -> bool:
+        return bool(self.store.client.exists(self.reservations.key))
+
+    def _place(self, rid: str, worker: str) -> None:
+        """A reservation's placement: recorded (not published); the worker's gate holds it."""
+        if self.reservations.place(rid, worker):
+            log.info("ojs-ml: placed reservation %s on %s", rid, worker)
+            self._dirty = True
+
+    def _deny(self, task_id: str, record: dict[str, Any] | None, note: str) -> None:
+        """RFC 27 DENY of a waiting job: drop it from the set, fail it, dead-letter it."""
+        if record is None or not self.book.cancel(task_id):
+            return
+        msg = record.get("msg") or {}
+        body = base64.b64decode(msg.get("body") or b"")
+        self._refuse(task_id, dict(msg.get("headers") or {}), body, note)
 
     def _take_back(
         self, records: dict[str, dict[str, Any]], live: dict[str, Any], now: float
@@ -492,6 +521,9 @@ class FleetScheduler:
         changed: dict[str, tuple[str, float | None, str | None]] = {}
         events = []
         for task_id, note in decision.annotations.items():
+            if task_id.startswith(PREFIX):
+                self.reservations.note(task_id[len(PREFIX) :], note.reason_pending)
+                continue
             key = (note.reason_pending, note.t_estimate)
             if self._notes.get(task_id) == key:
                 continue

@@ -77,6 +77,11 @@ class OJSMLSettings(BaseModel):
     """An assignment its worker has not taken within this is taken back and reassigned."""
     scheduler_interval_s: float = Field(default=0.5, gt=0, le=60)
     """Longest gap between two scheduling passes (wake-ups start one at once)."""
+    reservation_timeout_s: float = Field(default=3600.0, gt=0)
+    """How long `ml.reserve` holds a reservation when neither `timeout_s` nor the
+    requirements' `ext_ml_reservation_timeout_s` says (OJS ML §8.3)."""
+    max_reservation_s: float = Field(default=7 * 86400.0, gt=0)
+    """Longest any reservation is held: caps `timeout_s` and a job's extension."""
     queue_policies: dict[str, QueuePolicy] = Field(default_factory=dict)
     """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
     bounds: dict[str, Any] = Field(default_factory=dict)

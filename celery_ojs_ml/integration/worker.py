@@ -40,6 +40,7 @@ from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
+from celery_ojs_ml.integration.reservations import ReservationBook, held_by
 from celery_ojs_ml.integration.routing import (
     HEADER_PENDING,
     class_routes,
@@ -223,6 +224,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         s = self.settings
         self.store = self.app.ojs_ml.store
         self.book = PendingBook(self.store)
+        self.reservations = ReservationBook(self.store)
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
         self.writer = LeaseWriter(
             self.leases,
@@ -402,11 +404,32 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     self.classes, self.version = classes, version
         except Exception as exc:
             log.warning("ojs-ml: could not read the class registry: %s", exc)
+        self.hold_reservations()
         with self.lock:
             own = self._own_queues()
             if own != self.logical:  # `celery control add_consumer/cancel_consumer`
                 self.logical, self._wanted = own, {}
         self.resubscribe()
+
+    def hold_reservations(self) -> None:
+        """Hold exactly the reservations placed on this worker (§8.3, `allocator.pools`)."""
+        try:
+            if not self.store.client.exists(self.reservations.key) and not self.allocator.pools:
+                return
+            held = held_by(
+                self.reservations.all(), self.hostname, self.admission.parse, time.time()
+            )
+        except Exception as exc:  # keep what is held until the store answers again
+            log.warning("ojs-ml: could not read the reservations: %s", exc)
+            return
+        with self.lock:
+            before = set(self.allocator.pools)
+            self.allocator.set_pools(held)
+        if set(held) != before:
+            log.info("ojs-ml: holding reservations %s", sorted(held) or "none")
+        if before - set(held):  # capacity came back: held jobs may fit now
+            self.pump()
+            self.wake_scheduler()
 
     def _parse_class(
         self, cid: str, entry: dict[str, Any]
@@ -544,6 +567,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def _gate(self, req: Any, ml: MLRequirements) -> Any:
         headers = req.request_dict
+        rid = ml.ext_ml_reservation_id
+        if rid is not None and rid not in self.allocator.pools:
+            self.hold_reservations()  # placed since the last refresh?
         with self.lock:
             ml = self.preemptions.cap(ml, headers)
             outcome = self.allocator.try_alloc(

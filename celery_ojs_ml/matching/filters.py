@@ -63,6 +63,8 @@ class FreeCapacity:
     memory_gb: float | None = None
     tpu_chips: int | None = None
     running_labels: tuple[Mapping[str, str], ...] = field(default=())
+    reservations: frozenset[str] = frozenset()
+    """Ids of the dynamic reservations (`ml.reserve`) this worker holds now (§8.3)."""
 
 
 Filter = Callable[[MLRequirements, Capabilities, FreeCapacity | None], Iterator[Reason]]
@@ -277,12 +279,16 @@ def model_version(
 def reservation(
     req: MLRequirements, w: Capabilities, free: FreeCapacity | None
 ) -> Iterator[Reason]:
-    """§8.3: a reserved job runs only inside its reservation's pool."""
+    """§8.3: a reserved job runs only inside its reservation's pool.
+
+    The pool is a worker labelled `reservation_id` (a static reservation) or a
+    dynamic reservation (`ml.reserve`) the worker holds now.
+    """
     rid = req.ext_ml_reservation_id
     if rid is None:
         return
     have = w.derived_labels().get("reservation_id")
-    if have != rid:
+    if have != rid and not (free is not None and rid in free.reservations):
         yield _never(
             "reservation_id", rid, have, _lit(f"reservation_id {have or '<unset>'} != {rid}")
         )

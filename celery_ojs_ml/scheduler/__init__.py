@@ -23,6 +23,7 @@ from celery_ojs_ml.scheduler.model import (
     WorkerState,
 )
 from celery_ojs_ml.scheduler.order import in_order, order_key
+from celery_ojs_ml.scheduler.pools import ReservationPool
 from celery_ojs_ml.scheduler.preempt import lost_work_s, may_preempt
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, score_placement
 
@@ -41,6 +42,7 @@ __all__ = [
     "Policy",
     "Preemption",
     "Reservation",
+    "ReservationPool",
     "RunningJob",
     "WorkerState",
     "Workload",

@@ -41,6 +41,7 @@ from celery_ojs_ml.scheduler.model import (
     WorkerState,
 )
 from celery_ojs_ml.scheduler.order import Ask, in_order
+from celery_ojs_ml.scheduler.pools import PREFIX, ReservationPool, fill, hold, open_queues
 from celery_ojs_ml.scheduler.preempt import Preemptor
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
@@ -56,19 +57,35 @@ def schedule(
     *,
     memo: Memo | None = None,
     inflight: Iterable[tuple[str, int]] = (),
+    pools: Sequence[ReservationPool] = (),
 ) -> Decision:
     """Decide every pending job once, in fleet order (see module doc).
 
     `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
-    running jobs; they count against their queue's budget (§10.3).
+    running jobs; they count against their queue's budget (§10.3). `pools`:
+    the dynamic reservations (§8.3); see `scheduler.pools`.
     """
     jobs, raised = escalate_all(pending, now)
-    ordered = in_order(jobs)
+    held = {p.rid: p for p in pools}
+    general = [j for j in jobs if j.req.ext_ml_reservation_id not in held]
+    if held:
+        fleet = open_queues(hold(fleet, held.values(), now))
+        general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
+    ordered = in_order(general)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
     planner.escalated = raised
     for job in ordered:
         planner.decide(job)
-    return planner.decision()
+    decision = planner.decision()
+    if not held:
+        return decision
+    filled = fill((j for j in jobs if j.req.ext_ml_reservation_id in held), held, fleet)
+    return replace(
+        decision,
+        assignments=(*filled.assignments, *decision.assignments),
+        annotations={**decision.annotations, **filled.annotations},
+        denials=(*decision.denials, *filled.denials),
+    )
 
 
 def names_worker(req: MLRequirements) -> bool:
@@ -139,7 +156,9 @@ class Planner:
             self._assign(ask, *found)
         elif not any(g.members for g in self.view.eligible(job)):
             self._unplaceable(ask)
-        elif not (self._await_victims(ask) or self._preempt(ask)):
+        elif job.task_id.startswith(PREFIX) or not (  # a reservation never preempts (§8.3)
+            self._await_victims(ask) or self._preempt(ask)
+        ):
             self._reserve_or_estimate(ask)
 
     def _assign(self, ask: Ask, slot: Slot, score: PlacementScore) -> None:

@@ -96,6 +96,8 @@ class RunningJob:
     """Task id of the job it is being preempted for (a preemption in flight)."""
     queue: str = DEFAULT_QUEUE
     """Its logical queue: what it holds counts against that queue's budget (§10.3)."""
+    reservation: str | None = None
+    """The reservation it runs inside (`ext_ml_reservation_id`, §8.3), if any."""
 
     @classmethod
     def of(cls, task_id: str, req: MLRequirements, started_at: float, **kw: Any) -> RunningJob:
@@ -110,6 +112,7 @@ class RunningJob:
             "tpu_chips": d.tpu_chips,
             "time_limit_s": None if limit is None else float(limit),
             "preemptible": preemptible_of(req),
+            "reservation": req.ext_ml_reservation_id,
         }
         return cls(task_id=task_id, started_at=started_at, **{**base, **kw})
 

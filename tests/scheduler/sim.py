@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, RunningJob, WorkerState, schedule
+from celery_ojs_ml.scheduler import (
+    Decision,
+    PendingJob,
+    Policy,
+    ReservationPool,
+    RunningJob,
+    WorkerState,
+    schedule,
+)
+from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.scheduler.vectors import demand_of
 
 
@@ -40,6 +49,9 @@ class Sim:
     done: list[str] = field(default_factory=list)
     jobs: dict[str, PendingJob] = field(default_factory=dict)
     """Every job ever submitted, by task id (for re-queueing)."""
+    pools: dict[str, ReservationPool] = field(default_factory=dict)
+    """Dynamic reservations (§8.3) by id; the sim's gates never report holding them."""
+    denied: list[str] = field(default_factory=list)
 
     def submit(self, job: PendingJob, duration: float) -> None:
         """Admit `job` now; it will run for `duration` s (capped at its time limit)."""
@@ -65,9 +77,12 @@ class Sim:
                     self.done.append(task_id)
 
     def lose(self, name: str) -> None:
-        """A worker dies: its jobs wait again."""
+        """A worker dies: its jobs wait again; its reservations are placed again."""
         for task_id in self.workers.pop(name).running:
             self._requeue(task_id)
+        for rid, pool in list(self.pools.items()):
+            if pool.worker == name:
+                self.pools[rid] = replace(pool, worker=None)
 
     def _requeue(self, task_id: str) -> None:
         self.pending[task_id] = self.jobs[task_id]
@@ -81,12 +96,25 @@ class Sim:
 
     def decide(self) -> Decision:
         """One pass at `now` over the pending jobs and the fleet."""
-        return schedule(list(self.pending.values()), self.fleet(), self.now, self.policy)
+        return schedule(
+            list(self.pending.values()),
+            self.fleet(),
+            self.now,
+            self.policy,
+            pools=list(self.pools.values()),
+        )
 
     def apply(self, decision: Decision) -> None:
         """Assignments start; victims are flagged and leave at the next `advance`."""
         for a in decision.assignments:
+            if a.task_id.startswith(PREFIX):
+                rid = a.task_id[len(PREFIX) :]
+                self.pools[rid] = replace(self.pools[rid], worker=a.worker)
+                continue
             self._start(self.pending.pop(a.task_id), a.worker)
+        for d in decision.denials:
+            self.pending.pop(d.task_id, None)
+            self.denied.append(d.task_id)
         for p in decision.preemptions:
             running = self.workers[p.worker].running
             for victim in p.victims:
@@ -110,4 +138,5 @@ class Sim:
             labels=job.labels,
             exclusive=job.gpu_affinity == "dedicated",
             queue=job.queue,
+            reservation=job.req.ext_ml_reservation_id,
         )

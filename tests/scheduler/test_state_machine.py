@@ -6,19 +6,25 @@ fits at its start beside every job that could still be there). Across passes:
 the job first in fleet order starts by the first reserved start it was given
 (7, no starvation), as long as it stays first and no worker is lost. With a
 `train` budget (§10.3), the queue never holds more GPUs than its budget.
+With dynamic reservations (§8.3): jobs outside a placed reservation fit the
+fleet with the reservation carved out (the checks above run on that view), a
+job naming a reservation runs only on its worker and within it, and no
+worker ever holds more than it has, reservations included.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from celery_ojs_ml.scheduler import Budget, Policy, in_order
+from celery_ojs_ml.scheduler import Budget, Decision, Policy, ReservationPool, in_order
+from celery_ojs_ml.scheduler.pools import PREFIX, hold, open_queues
 from tests.scheduler import checks
-from tests.scheduler.helpers import caps, job
+from tests.scheduler.helpers import caps, job, req
 from tests.scheduler.sim import Sim, SimWorker
 
 PROFILES = ("nvidia-a100x8", "nvidia-a100x2", "nvidia-l4x1", "cpu")
@@ -90,6 +96,28 @@ class FleetMachine(RuleBasedStateMachine):
             duration = (spec["limit"] or 300.0) * spec.pop("share")
             self.sim.submit(job(f"j{self.n}", **spec), duration)
 
+    @precondition(lambda self: len(self.sim.pools) < 3)
+    @rule(gpus=st.sampled_from([1, 2, 4]))
+    def reserve(self, gpus: int) -> None:
+        self.n += 1
+        rid = f"r{self.n}"
+        self.sim.pools[rid] = ReservationPool(rid, req(gpu_count=gpus), self.sim.now)
+
+    @precondition(lambda self: any(not p.ended for p in self.sim.pools.values()))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        live = sorted(r for r, p in self.sim.pools.items() if not p.ended)
+        rid = data.draw(st.sampled_from(live))
+        self.sim.pools[rid] = replace(self.sim.pools[rid], ended=True)
+
+    @precondition(lambda self: any(not p.ended for p in self.sim.pools.values()))
+    @rule(data=st.data(), gpus=st.sampled_from([1, 2]))
+    def arrive_inside(self, data: st.DataObject, gpus: int) -> None:
+        live = sorted(r for r, p in self.sim.pools.items() if not p.ended)
+        rid = data.draw(st.sampled_from(live))
+        self.n += 1
+        self.sim.submit(job(f"j{self.n}", gpu_count=gpus, reservation_id=rid, limit=20.0), 10.0)
+
     @rule(dt=st.sampled_from([1.0, 5.0, 20.0, 60.0]))
     def tick(self, dt: float) -> None:
         """Time passes (jobs end, victims leave), then a pass runs."""
@@ -102,7 +130,13 @@ class FleetMachine(RuleBasedStateMachine):
         pending, fleet, now = list(sim.pending.values()), sim.fleet(), sim.now
         head = in_order(pending)[0].task_id if pending else None
         decision = sim.decide()
-        p = checks.Pass(pending, fleet, now, sim.policy, decision)
+        inside = {j.task_id for j in pending if j.req.ext_ml_reservation_id is not None}
+        self._reservations_kept(decision, inside)
+        if sim.pools:  # the general checks, on the fleet with the reservations carved out
+            pending = [j for j in pending if j.task_id not in inside]
+            pending += [q.as_job() for q in sim.pools.values() if q.worker is None and not q.ended]
+            fleet = open_queues(hold(fleet, sim.pools.values(), now))  # placing one is a job
+        p = checks.Pass(pending, fleet, now, sim.policy, _general(decision, inside))
         checks.capacity_is_safe(p)
         checks.placement_is_right(p)
         checks.order_is_kept(p)
@@ -115,6 +149,41 @@ class FleetMachine(RuleBasedStateMachine):
                 if r.queue == "train"
             )  # fmt: skip
             assert held <= self.budget, f"train holds {held} GPUs, budget {self.budget}"
+
+    def _reservations_kept(self, decision: Decision, inside: set[str]) -> None:
+        """§8.3: inside jobs go to their reservation's worker only, and fit it."""
+        sim = self.sim
+        placed = {a.task_id[len(PREFIX) :]: a.worker for a in decision.assignments
+                  if a.task_id.startswith(PREFIX)}  # fmt: skip
+        used: dict[str, int] = {}
+        for w in sim.workers.values():
+            for r in w.running.values():
+                if r.reservation is not None:
+                    used[r.reservation] = used.get(r.reservation, 0) + r.gpus
+        for a in decision.assignments:
+            if a.task_id not in inside:
+                continue
+            j = sim.pending[a.task_id]
+            pool = sim.pools[str(j.req.ext_ml_reservation_id)]
+            assert not pool.ended, f"{a.task_id} started in ended reservation {pool.rid}"
+            assert a.worker == pool.worker, f"{a.task_id} ran outside reservation {pool.rid}"
+            used[pool.rid] = used.get(pool.rid, 0) + int(j.req.ext_ml_gpu_count or 0)
+            assert used[pool.rid] <= int(pool.req.ext_ml_gpu_count or 0), f"{pool.rid} overfull"
+        for name, w in sim.workers.items():
+            held = sum(
+                max(0, int(p.req.ext_ml_gpu_count or 0) - used.get(p.rid, 0))
+                for p in sim.pools.values()
+                if not p.ended and (p.worker == name or placed.get(p.rid) == name)
+            )
+            busy = sum(r.gpus for r in w.running.values() if r.preempted_for is None)
+            new = sum(
+                int(sim.pending[a.task_id].req.ext_ml_gpu_count or 0)
+                for a in decision.assignments
+                if a.worker == name and a.task_id in sim.pending
+            )
+            assert busy + new + held <= w.caps.gpu_count + _leaving(w, decision), (
+                f"{name}: {busy} running + {new} new + {held} reserved > {w.caps.gpu_count}"
+            )
 
     def _first_starts_in_time(self, head: str | None, p: checks.Pass) -> None:
         if self.first is not None and self.first[0] != head:
@@ -133,6 +202,20 @@ class FleetMachine(RuleBasedStateMachine):
             assert start <= self.first[1] + EPS, f"{head}'s reserved start moved later"
         else:
             self.first = (head, start)
+
+
+def _general(decision: Decision, inside: set[str]) -> Decision:
+    """The decision without the jobs inside reservations (placing one stays: it is a job)."""
+    keep = tuple(a for a in decision.assignments if a.task_id not in inside)
+    notes = {t: a for t, a in decision.annotations.items() if t not in inside}
+    return replace(decision, assignments=keep, annotations=notes)
+
+
+def _leaving(w: object, decision: Decision) -> int:
+    """GPUs of victims planned in this pass (still running until they leave)."""
+    running = getattr(w, "running", {})
+    gone = {v for p in decision.preemptions for v in p.victims}
+    return sum(r.gpus for t, r in running.items() if t in gone)
 
 
 FleetMachine.TestCase.settings = settings(
