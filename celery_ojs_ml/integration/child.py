@@ -28,6 +28,8 @@ import logging
 import os
 from typing import Any
 
+from celery_ojs_ml.integration.gangs import restore_env, set_env
+
 log = logging.getLogger(__name__)
 CVD = "CUDA_VISIBLE_DEVICES"
 RECYCLE_MODES = ("cuda", "always", "never")
@@ -185,6 +187,8 @@ def install_cuda_retirement() -> None:
 def pin_devices(task: Any = None, **_: Any) -> None:
     """`task_prerun`: set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
     request = getattr(task, "request", None)
+    if request is not None:
+        set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
     devices = getattr(request, "ojs_devices", None)
     if request is None or devices is None or not getattr(request, "ojs_pin", False):
         return
@@ -195,6 +199,8 @@ def pin_devices(task: Any = None, **_: Any) -> None:
 def unpin_devices(task: Any = None, **_: Any) -> None:
     """`task_postrun`: restore the variable as it was before the task."""
     request = getattr(task, "request", None)
+    if request is not None:
+        restore_env(request)
     if request is None or not hasattr(request, "ojs_saved_cvd"):
         return
     saved = request.ojs_saved_cvd

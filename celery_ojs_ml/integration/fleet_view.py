@@ -35,6 +35,11 @@ _FREE = {"gpus": "gpu_count", "cpu_cores": "cpu_cores", "memory_gb": "memory_gb"
 _AFFINITY = ("pack", "spread", "dedicated")
 
 
+HEADER_GANG = "ojs_gang"
+"""`{"id", "size", "rank"}`: the job is one rank of a gang (`OJSML.gang`, Flux node>slot)."""
+_MAX_GANG = 1024
+
+
 def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> PendingJob | None:
     """A waiting record as the core's `PendingJob`; None when its headers do not parse."""
     msg = record.get("msg") or {}
@@ -56,7 +61,21 @@ def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> Pendin
         band=str(meta.get("band") or ""),
         gpu_affinity=affinity if affinity in _AFFINITY else "pack",
         labels=job_labels(headers.get("task"), headers),
+        **gang_of(headers),
     )
+
+
+def gang_of(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ojs_gang` header as `PendingJob` fields ({} for a job that is not a rank)."""
+    found = headers.get(HEADER_GANG)
+    if not isinstance(found, Mapping):
+        return {}
+    gid, size, rank = found.get("id"), found.get("size"), found.get("rank")
+    if not (isinstance(gid, str) and isinstance(size, int) and isinstance(rank, int)):
+        return {}
+    if not 0 <= rank < size <= _MAX_GANG:
+        return {}
+    return {"gang": gid, "gang_size": size, "rank": rank}
 
 
 @dataclass

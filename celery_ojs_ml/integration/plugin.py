@@ -340,10 +340,33 @@ class OJSML:
         if flux.queue:
             headers[HEADER_LOGICAL] = flux.queue
         args = list(flux.command[1:])
+        if flux.spread and (flux.nodes or 0) > 1 and flux.task_count == flux.nodes:
+            # node>slot over N nodes, one task per node: a gang (all ranks or none)
+            return self._gang_group(self.app.signature(name, args=args), flux.nodes or 0, headers)
         return group(
             self.app.signature(name, args=args, options={"headers": dict(headers)})
             for _ in range(flux.task_count)
         )
+
+    def gang(self, sig: Signature, size: int) -> Any:
+        """Run `sig` as a gang of `size` ranks: all placed at once on distinct workers, or none.
+
+        Each rank is its own Celery task (one result each) and runs with
+        `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK` and `LOCAL_RANK` set
+        (torch.distributed `env://`). Returns the group's `GroupResult`.
+        """
+        return self._gang_group(sig, size, {}).apply_async()
+
+    def _gang_group(self, sig: Signature, size: int, extra: dict[str, Any]) -> Signature:
+        from celery_ojs_ml.integration.gangs import gang_headers
+
+        ranks = []
+        for headers in gang_headers(size):
+            rank = sig.clone()
+            merged = {**(rank.options.get("headers") or {}), **extra, **headers}
+            rank.set(headers=merged)
+            ranks.append(rank)
+        return group(ranks)
 
 
 def _redis_broker(app: Celery) -> str | None:

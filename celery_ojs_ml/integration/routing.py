@@ -40,7 +40,7 @@ HEADER_LOGICAL = "ojs_logical_queue"
 HEADER_PENDING = "ojs_pending"
 """Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
-SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims")
+SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous")
 """Set by the scheduler on one delivery; never carried into a new publish."""
 
 
@@ -162,7 +162,7 @@ class MLRouter:
         if labels:
             headers[HEADER_LABELS] = labels
         options["headers"] = headers
-        if not found.hard:
+        if not found.hard and "ojs_gang" not in headers:  # a gang rank is always scheduled
             return None
         return self._route(found, logical, options, headers)
 

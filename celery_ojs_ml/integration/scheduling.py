@@ -49,6 +49,7 @@ from celery_ojs_ml.integration.fleet_view import (
     pending_job,
     worker_states,
 )
+from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS, rendezvous
 from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
 from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
 from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
@@ -135,6 +136,7 @@ class FleetScheduler:
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
         """Admissions read from the intake, written in one batch after the drain."""
         self.passes = 0
+        self._rendezvous: dict[str, dict[str, Any]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -373,6 +375,7 @@ class FleetScheduler:
             key = self.store.key("scheduler", "budgets")
             self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
         jobs = {j.task_id: j for j in waiting}
+        self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
         for a in decision.assignments:
             if a.task_id.startswith(PREFIX):
@@ -473,6 +476,8 @@ class FleetScheduler:
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
         msg = record["msg"]
         headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
+        if task_id in self._rendezvous:
+            headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
         headers.pop("ojs_pending", None)
         name = worker_queue_name(self.settings.store_prefix, worker)
         queue = ml_queue(name)

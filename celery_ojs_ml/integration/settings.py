@@ -82,6 +82,9 @@ class OJSMLSettings(BaseModel):
     requirements' `ext_ml_reservation_timeout_s` says (OJS ML §8.3)."""
     max_reservation_s: float = Field(default=7 * 86400.0, gt=0)
     """Longest any reservation is held: caps `timeout_s` and a job's extension."""
+    advertise_address: str | None = None
+    """The address this worker advertises for gangs: `MASTER_ADDR` when it holds rank 0
+    (None: the host's primary address)."""
     queue_policies: dict[str, QueuePolicy] = Field(default_factory=dict)
     """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
     bounds: dict[str, Any] = Field(default_factory=dict)

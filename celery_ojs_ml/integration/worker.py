@@ -37,6 +37,7 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import assigned, child
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
+from celery_ojs_ml.integration.gangs import primary_address
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
@@ -199,6 +200,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []
         self.own_queue = worker_queue_name(self.settings.store_prefix, self.hostname)
+        self.address = self.settings.advertise_address or primary_address()
+        """MASTER_ADDR for gangs whose rank 0 runs here (`ojs_ml_advertise_address`)."""
         self.scheduler: Any = None
         """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
         self._wake_due = False
@@ -381,7 +384,12 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 capabilities_to_dict(self.caps),
                 snap,
                 ttl_s=ttl,
-                info={"pid": os.getpid(), "pinning": self.prefork, "queues": sorted(self.logical)},
+                info={
+                    "pid": os.getpid(),
+                    "pinning": self.prefork,
+                    "queues": sorted(self.logical),
+                    "address": self.address,
+                },
                 held=held,
             )
         except Exception as exc:  # a store outage must not stop the worker

@@ -27,6 +27,7 @@ from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
+from celery_ojs_ml.scheduler.gang import place_gangs
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
     Annotation,
@@ -41,7 +42,14 @@ from celery_ojs_ml.scheduler.model import (
     WorkerState,
 )
 from celery_ojs_ml.scheduler.order import Ask, in_order
-from celery_ojs_ml.scheduler.pools import PREFIX, ReservationPool, fill, hold, open_queues
+from celery_ojs_ml.scheduler.pools import (
+    PREFIX,
+    Filled,
+    ReservationPool,
+    fill,
+    hold,
+    open_queues,
+)
 from celery_ojs_ml.scheduler.preempt import Preemptor
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
@@ -67,7 +75,9 @@ def schedule(
     """
     jobs, raised = escalate_all(pending, now)
     held = {p.rid: p for p in pools}
-    general = [j for j in jobs if j.req.ext_ml_reservation_id not in held]
+    general = [j for j in jobs if j.req.ext_ml_reservation_id not in held and j.gang is None]
+    ganged = place_gangs((j for j in jobs if j.gang is not None), fleet, now)
+    fleet = ganged.fleet
     if held:
         fleet = open_queues(hold(fleet, held.values(), now))
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
@@ -77,13 +87,14 @@ def schedule(
     for job in ordered:
         planner.decide(job)
     decision = planner.decision()
-    if not held:
+    inside = [j for j in jobs if j.req.ext_ml_reservation_id in held and j.gang is None]
+    filled = fill(inside, held, fleet) if held else Filled([], {}, [])
+    if not (ganged.assignments or ganged.annotations or held):
         return decision
-    filled = fill((j for j in jobs if j.req.ext_ml_reservation_id in held), held, fleet)
     return replace(
         decision,
-        assignments=(*filled.assignments, *decision.assignments),
-        annotations={**decision.annotations, **filled.annotations},
+        assignments=(*ganged.assignments, *filled.assignments, *decision.assignments),
+        annotations={**decision.annotations, **filled.annotations, **ganged.annotations},
         denials=(*decision.denials, *filled.denials),
     )
 

@@ -53,6 +53,11 @@ class PendingJob:
     """The job's own labels, matched by other jobs' anti-affinity (§7.3) once it runs."""
     class_key: str = ""
     """Requirement class (`spec.classes.class_id`); empty computes it."""
+    gang: str | None = None
+    """The gang (a multi-worker job, Flux RFC 25 `node>slot`) it is one rank of, if any."""
+    gang_size: int = 1
+    """How many ranks the gang has; all are placed at once on distinct workers, or none."""
+    rank: int = 0
 
     def __post_init__(self) -> None:
         if self.gpu_affinity not in GPU_AFFINITIES:

@@ -122,11 +122,13 @@ def _held_on(w: WorkerState, pools: list[ReservationPool], now: float) -> Worker
             )
         )
         if not pool.held:
-            free = _less(free, left)
+            free = less_free(free, left)
     return replace(w, free=free, running=(*w.running, *extra))
 
 
-def _less(free: FreeCapacity, d: Demand) -> FreeCapacity:
+def less_free(free: FreeCapacity, d: Demand) -> FreeCapacity:
+    """`free` less `d` (floored at zero; untracked resources stay untracked)."""
+
     def cut(have: float | None, take: float) -> float | None:
         return None if have is None else max(0.0, have - take)
 

@@ -87,6 +87,7 @@ def make_app(broker: str, **conf: Any) -> Celery:
     OJSML(app)
     _define_tasks(app, results_url)
     _define_plain_tasks(app, results_url)
+    _define_gang_tasks(app, results_url)
     return app
 
 
@@ -228,6 +229,39 @@ def _define_training_tasks(app: Celery, results_url: str) -> None:
                 raise RuntimeError(f"boom at epoch {epoch}")
             ckpt.save(epoch=epoch, step=epoch, files={"s": b"x"})
         return epochs
+
+
+def _define_gang_tasks(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="ml.allreduce", shared=False, ml={"ext_ml_cpu_cores": 1})
+    def allreduce(self: Any, pause_s: float = 0.0) -> dict[str, Any]:
+        """One rank of a 2-rank gloo all-reduce: each adds RANK + 1."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        start = time.time()
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=60))
+        try:
+            value = torch.tensor([float(int(os.environ["RANK"]) + 1)])
+            dist.all_reduce(value)
+            time.sleep(pause_s)
+        finally:
+            dist.destroy_process_group()
+        entry = {
+            "tag": "allreduce",
+            "task_id": self.request.id,
+            "worker": getattr(self.request, "ojs_node", None),
+            "sum": float(value.item()),
+            "env": {
+                k: os.environ.get(k)
+                for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+            },
+            "start": start,
+            "end": time.time(),
+        }
+        _record(results_url, entry)
+        return entry
 
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:

@@ -1,0 +1,119 @@
+"""Gangs (Flux RFC 25 `node>slot`, `ext_ml_distributed_strategy`): publish, rendezvous, env.
+
+Responsibility: `OJSML.gang` publishes one Celery task per rank, each marked
+with the `ojs_gang` header; the scheduler places the ranks all at once
+(`scheduler.gang`) and gives each delivery an `ojs_rendezvous` header; the
+pool child turns it into the environment of torch.distributed's `env://`
+(`MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`, `LOCAL_RANK`) around the
+task body.
+
+Key decisions:
+- `MASTER_ADDR` is the address rank 0's worker advertises
+  (`ojs_ml_advertise_address`, default: the host's primary address), read from
+  the live registry when the gang is placed.
+- `MASTER_PORT` is drawn afresh for every placement from
+  `_PORTS`, so a gang placed again after a failure never meets its old
+  rendezvous still bound on the same host.
+- One rank per worker, so `LOCAL_RANK` is 0 and `LOCAL_WORLD_SIZE` 1.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.integration.fleet_view import _MAX_GANG, HEADER_GANG
+from celery_ojs_ml.scheduler import Decision, PendingJob
+
+HEADER_RENDEZVOUS = "ojs_rendezvous"
+_PORTS = (29500, 39500)
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def primary_address() -> str:
+    """The address other hosts reach this one by (the interface of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def rendezvous(
+    decision: Decision, jobs: Mapping[str, PendingJob], live: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The `ojs_rendezvous` header of every gang rank this pass assigns."""
+    ranks: dict[str, list[tuple[PendingJob, str]]] = {}
+    for a in decision.assignments:
+        job = jobs.get(a.task_id)
+        if job is not None and job.gang is not None:
+            ranks.setdefault(job.gang, []).append((job, a.worker))
+    out: dict[str, dict[str, Any]] = {}
+    for gid, members in ranks.items():
+        head = next((w for j, w in members if j.rank == 0), members[0][1])
+        info = (live.get(head) or {}).get("info") or {}
+        port = random.randrange(*_PORTS)
+        for job, worker in members:
+            out[job.task_id] = {
+                "gang": gid,
+                "master_addr": str(info.get("address") or "127.0.0.1"),
+                "master_port": port,
+                "world_size": job.gang_size,
+                "rank": job.rank,
+                "worker": worker,
+            }
+    return out
+
+
+def env_of(found: Any) -> dict[str, str]:
+    """The launcher environment of an `ojs_rendezvous` header ({} when it is not one)."""
+    if not isinstance(found, Mapping):
+        return {}
+    try:
+        return {
+            "MASTER_ADDR": str(found["master_addr"]),
+            "MASTER_PORT": str(int(found["master_port"])),
+            "WORLD_SIZE": str(int(found["world_size"])),
+            "RANK": str(int(found["rank"])),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+    except (KeyError, TypeError, ValueError):
+        return {}
+
+
+def set_env(request: Any) -> None:
+    """`task_prerun`: export the rendezvous of a gang rank, remembering what was there."""
+    env = env_of(getattr(request, HEADER_RENDEZVOUS, None))
+    if env:
+        request.ojs_saved_env = {k: os.environ.get(k) for k in ENV_KEYS}
+        os.environ.update(env)
+
+
+def restore_env(request: Any) -> None:
+    """`task_postrun`: put the environment back as it was before the rank ran."""
+    saved = getattr(request, "ojs_saved_env", None)
+    if not isinstance(saved, dict):
+        return
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def gang_headers(size: Any) -> list[dict[str, Any]]:
+    """One `ojs_gang` header per rank of a new gang of `size`."""
+    if not isinstance(size, int) or isinstance(size, bool) or not 2 <= size <= _MAX_GANG:
+        raise SpecError(
+            Violation("size", f"is {size!r}", "Flux RFC 25 node>slot",
+                      f"a gang has 2 to {_MAX_GANG} ranks; run a single job for one")
+        )  # fmt: skip
+    gid = f"gang-{uuid.uuid4().hex[:12]}"
+    return [{HEADER_GANG: {"id": gid, "size": size, "rank": r}} for r in range(size)]

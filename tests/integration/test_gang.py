@@ -1,0 +1,87 @@
+"""Gang placement (Flux RFC 25 node>slot) on real workers: a 2-rank torch gloo all-reduce.
+
+Three workers; one is full. `ml.gang(sig, 2)` places both ranks at once on
+two distinct free workers, each rank gets torch.distributed's `env://`
+rendezvous (MASTER_ADDR of rank 0's worker, MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK), and the all-reduce of 1 + 2 gives 3 on both ranks. A gang that
+cannot be placed whole starts no rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.workers import WorkerProcess, running
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("torch")
+
+CONF = json.dumps({"ojs_ml_advertise_address": "127.0.0.1"})
+ENV = {"OJS_TEST_CONF": CONF, "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _results(client: redis.Redis) -> list[dict[str, Any]]:
+    return [json.loads(r) for r in client.lrange(RESULTS_KEY, 0, -1)]
+
+
+def test_a_two_rank_gang_runs_at_once_on_distinct_workers_and_all_reduces_the_right_sum(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url, ojs_ml_advertise_address="127.0.0.1")
+    workers = [
+        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env=ENV)
+        for n in ("a", "b")
+    ]  # fmt: skip
+    with running(workers, store):
+        ranks = app.ojs_ml.gang(app.tasks["ml.allreduce"].s(0.2), 2)
+        found = ranks.get(timeout=90)
+    by_rank = {int(r["env"]["RANK"]): r for r in found}
+    assert sorted(by_rank) == [0, 1]
+    assert [r["sum"] for r in found] == [3.0, 3.0], "the all-reduce of 1 + 2 is 3 on each rank"
+    assert by_rank[0]["worker"] != by_rank[1]["worker"], "two ranks on one worker"
+    for r in by_rank.values():
+        env = r["env"]
+        assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0", env
+        assert env["MASTER_ADDR"] == "127.0.0.1", env
+    assert by_rank[0]["env"]["MASTER_PORT"] == by_rank[1]["env"]["MASTER_PORT"]
+    app.close()
+
+
+def test_a_gang_that_cannot_be_placed_whole_starts_no_rank(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """One free worker only: best fit alone would start rank 0 there and leave it waiting."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                           extra_env=ENV)  # fmt: skip
+    with running([worker], store):
+        ranks = app.ojs_ml.gang(app.tasks["ml.allreduce"].s(), 2)
+        ids = [r.id for r in ranks.results]
+        book = PendingBook(store)
+        deadline = time.monotonic() + 10
+        notes: list[str] = []
+        while time.monotonic() < deadline:
+            notes = [((book.get(i) or {}).get("annotation") or {}).get("reason_pending") or ""
+                     for i in ids]  # fmt: skip
+            if all(notes):
+                break
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert _results(redis_client) == [], "a rank ran while the other waited"
+        assert all("1/2 ranks can be placed now" in n for n in notes), notes
+        assert {(book.get(i) or {}).get("state") for i in ids} == {"pending"}
+        for i in ids:
+            app.ojs_ml.cancel(i)
+    app.close()
