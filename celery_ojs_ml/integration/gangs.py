@@ -19,6 +19,7 @@ Key decisions:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -30,6 +31,7 @@ from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.integration.fleet_view import _MAX_GANG, HEADER_GANG
 from celery_ojs_ml.scheduler import Decision, PendingJob
 
+log = logging.getLogger(__name__)
 HEADER_RENDEZVOUS = "ojs_rendezvous"
 _PORTS = (29500, 39500)
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -59,9 +61,11 @@ def rendezvous(
         head = next((w for j, w in members if j.rank == 0), members[0][1])
         info = (live.get(head) or {}).get("info") or {}
         port = random.randrange(*_PORTS)
+        placement = uuid.uuid4().hex[:12]
         for job, worker in members:
             out[job.task_id] = {
                 "gang": gid,
+                "placement": placement,
                 "master_addr": str(info.get("address") or "127.0.0.1"),
                 "master_port": port,
                 "world_size": job.gang_size,
@@ -106,6 +110,77 @@ def restore_env(request: Any) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+_GANG_TTL_S = 7 * 86400
+
+
+def gang_crash(store: Any, headers: Mapping[str, Any]) -> int | None:
+    """Count a failed placement of the gang this rank belongs to once; the gang's crashes.
+
+    None when `headers` are not a placed gang rank's. The first rank to report a
+    placement's failure counts it; the other ranks of that placement (their peer
+    died, or their worker did) get the same count, so a crash counts once for
+    the gang.
+    """
+    found = headers.get(HEADER_RENDEZVOUS)
+    if not isinstance(found, Mapping) or not found.get("gang") or not found.get("placement"):
+        return None
+    key = store.key("gang", str(found["gang"]))
+    client = store.client
+    if client.hsetnx(key, f"failed:{found['placement']}", 1):
+        client.hincrby(key, "crashes", 1)
+        client.expire(key, _GANG_TTL_S)
+    return int(client.hget(key, "crashes") or 0)
+
+
+def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
+    """A gang rank failed: re-publish it (same id, last checkpoint) so the gang is placed
+    again whole; False (fail it as usual) once the gang crashed `ojs_ml_max_crashes` times."""
+    from celery.worker import state as worker_state
+
+    from celery_ojs_ml.integration.deadletter import last_checkpoint_of
+    from celery_ojs_ml.integration.leases import republish_headers
+
+    headers = req.request_dict
+    try:
+        crashes = gang_crash(gate.store, headers)
+        if crashes is None or crashes > gate.settings.max_crashes:
+            return False
+        checkpoint = last_checkpoint_of(gate.store, req.id)
+        gate.app.send_task(
+            req.name,
+            args=list(req.args),
+            kwargs=dict(req.kwargs),
+            task_id=req.id,
+            retries=int(headers.get("retries") or 0),
+            headers=republish_headers(headers, ojs_crashes=crashes, ojs_last_checkpoint=checkpoint),
+        )
+    except Exception as err:  # the store or broker is down: fail it as usual, with the reason
+        log.warning("ojs-ml: could not re-place gang rank %s: %s", req.id, err)
+        return False
+    worker_state.task_ready(req)
+    log.warning(
+        "ojs-ml: gang rank %s failed (%r); re-placing its gang (crash %d)", req.id, exc, crashes
+    )
+    return True
+
+
+def give_up_rank(gate: Any, req: Any, exc: Any) -> None:
+    """Store the FAILURE of a rank not placed again (its child stored no result)."""
+    try:
+        gate.app.backend.store_result(req.id, exc, "FAILURE")
+    except Exception as err:
+        log.warning("ojs-ml: could not store the failure of gang rank %s: %s", req.id, err)
+
+
+def store_rank_result(sender: Any = None, result: Any = None, **_: Any) -> None:
+    """`task_success` in the pool child: a gang rank runs with `ignore_result` (so that a
+    failure that re-places its gang stores nothing); its success is stored here."""
+    request = getattr(sender, "request", None)
+    if request is None or not isinstance(getattr(request, HEADER_RENDEZVOUS, None), Mapping):
+        return
+    sender.backend.store_result(request.id, result, "SUCCESS", request=request)
 
 
 def gang_headers(size: Any) -> list[dict[str, Any]]:

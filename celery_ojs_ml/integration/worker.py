@@ -37,7 +37,14 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import assigned, child
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
-from celery_ojs_ml.integration.gangs import primary_address
+from celery_ojs_ml.integration.gangs import (
+    HEADER_RENDEZVOUS,
+    gang_crash,
+    give_up_rank,
+    primary_address,
+    requeue_rank,
+    store_rank_result,
+)
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
@@ -77,6 +84,7 @@ def install(app: Celery) -> None:
     app.steps["consumer"].add(MLWorker)
     signals.task_prerun.connect(child.pin_devices, weak=False)
     signals.task_postrun.connect(child.unpin_devices, weak=False)
+    signals.task_success.connect(store_rank_result, weak=False)
     signals.celeryd_init.connect(configure_child_recycling, weak=False)
     signals.worker_process_init.connect(_child_init, weak=False)
     signals.task_prerun.connect(_child_prerun, weak=False)
@@ -658,6 +666,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         req.request_dict["ojs_devices"] = list(alloc.devices)
         req.request_dict["ojs_node"] = self.hostname
         req.request_dict["ojs_pin"] = self.prefork
+        if HEADER_RENDEZVOUS in req.request_dict:  # a gang rank's failure re-places its gang:
+            req.request_dict["ignore_result"] = True  # no FAILURE stored (see integration.gangs)
         req.on_failure = self._failing(req, req.on_failure)
         for name in ("on_success", "on_failure"):
             setattr(req, name, self._releasing(req, getattr(req, name)))
@@ -906,7 +916,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         if self._already_finished(task_id):
             self.leases.release(task_id, token)
             return
-        crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
+        counted = gang_crash(self.store, lease["headers"])  # a gang's crash counts once
+        crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1 if counted is None else counted
         if crashes > self.settings.max_crashes:
             dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
             self.leases.release(task_id, token)
@@ -951,8 +962,12 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             exc = getattr(exc, "exc", exc)
             if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
                 return self.preemptions.requeue(req, exc)
-            result = original(exc_info, *args, **kwargs)
             terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
+            if terminal and isinstance(exc, BaseException) and requeue_rank(self, req, exc):
+                return None  # a gang rank: its whole gang is placed again (integration.gangs)
+            if terminal and HEADER_RENDEZVOUS in req.request_dict:
+                give_up_rank(self, req, exc)
+            result = original(exc_info, *args, **kwargs)
             if terminal and req.request_dict.get("ext_ml_checkpoint_enabled"):
                 record = {
                     "task_id": req.id,

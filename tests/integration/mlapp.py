@@ -263,6 +263,57 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
         _record(results_url, entry)
         return entry
 
+    ckpt_dir = os.environ.get("OJS_TEST_CKPT", "/tmp/ojs-test-ckpt")
+    gang_ml = {
+        "ext_ml_cpu_cores": 1,
+        "ext_ml_checkpoint_enabled": True,
+        "ext_ml_checkpoint_storage_uri": f"file://{ckpt_dir}/",
+        "ext_ml_checkpoint_interval_s": 1,
+    }
+
+    @app.task(bind=True, name="ml.gang_train", shared=False, ml=gang_ml)
+    def gang_train(self: Any, epochs: int, epoch_s: float) -> dict[str, Any]:
+        """Data-parallel training in miniature: one all-reduce and one checkpoint per epoch.
+
+        The ranks resume from the earliest epoch any of them committed (agreed by an
+        all-reduce MIN), as a real job resumes from rank 0's checkpoint."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from celery_ojs_ml import checkpoint
+
+        ckpt = checkpoint(self)
+        last = ckpt.resume()
+        mine = (last.epoch + 1) if last and last.epoch is not None else 0
+        rank = int(os.environ["RANK"])
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=30))
+        try:
+            agreed = torch.tensor([float(mine)])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            start = int(agreed.item())
+            run = {
+                "task_id": self.request.id,
+                "rank": rank,
+                "worker": getattr(self.request, "ojs_node", None),
+                "start_epoch": start,
+                "port": os.environ.get("MASTER_PORT"),
+                "crashes": getattr(self.request, "ojs_crashes", 0) or 0,
+                "t0": time.time(),
+            }
+            _record(results_url, {"tag": "gang-run", **run})
+            total = 0.0
+            for epoch in range(start, epochs):
+                value = torch.tensor([float(rank + 1)])
+                dist.all_reduce(value)
+                total = float(value.item())
+                time.sleep(epoch_s)
+                ckpt.save(epoch=epoch, step=epoch, files={"state.json": b"{}"})
+        finally:
+            dist.destroy_process_group()
+        return {**run, "sum": total}
+
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:
     @app.task(bind=True, name="plain.add", shared=False)

@@ -85,3 +85,51 @@ def test_a_gang_that_cannot_be_placed_whole_starts_no_rank(
         for i in ids:
             app.ojs_ml.cancel(i)
     app.close()
+
+
+def test_a_gang_whose_rank_worker_is_sigkilled_is_placed_again_whole_and_resumes(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A rank's worker dies mid-training: the other rank fails at its next all-reduce, both
+    are re-published, and the gang runs again whole on two live workers from its last
+    committed checkpoint; the crash counts once for the gang."""
+    store = OJSStore(redis_client, prefix="ojs")
+    conf = json.dumps(
+        {
+            "ojs_ml_advertise_address": "127.0.0.1",
+            "ojs_ml_lease_ttl_s": 3,
+            "ojs_ml_heartbeat_s": 0.5,
+        }
+    )
+    env = {**ENV, "OJS_TEST_CONF": conf, "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
+    app = make_app(redis_url)
+    workers = {
+        n: WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                         extra_env=env)
+        for n in ("a", "b", "c")
+    }  # fmt: skip
+    with running(list(workers.values()), store):
+        ranks = app.ojs_ml.gang(app.tasks["ml.gang_train"].s(12, 0.5), 2)
+        first = _wait_runs(redis_client, 2, 30)
+        time.sleep(2.5)  # a few epochs committed
+        victim = next(r["worker"] for r in first if r["rank"] == 1)
+        workers[victim.split("@")[0]].kill()
+        found = ranks.get(timeout=120)
+        runs = [r for r in _results(redis_client) if r["tag"] == "gang-run"]
+    assert [r["sum"] for r in found] == [3.0, 3.0]
+    again = [r for r in runs if r["port"] != first[0]["port"]]
+    assert len(again) == 2, f"the gang was not placed again whole: {runs}"
+    assert len({r["worker"] for r in again}) == 2 and victim not in {r["worker"] for r in again}
+    assert all(r["start_epoch"] > 0 for r in again), "it did not resume from its checkpoint"
+    assert {r["crashes"] for r in again} == {1}, "the crash counted more than once"
+    app.close()
+
+
+def _wait_runs(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = [r for r in _results(client) if r["tag"] == "gang-run"]
+        if len(runs) >= n:
+            return runs
+        time.sleep(0.1)
+    raise AssertionError("the gang never started")
