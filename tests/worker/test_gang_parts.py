@@ -1,0 +1,56 @@
+"""Gang parts without a broker: Flux node>slot becomes a gang, the rendezvous environment,
+and the bounds on a gang's size (Flux RFC 25 node>slot)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from celery import Celery
+
+from celery_ojs_ml import OJSML
+from celery_ojs_ml.errors import SpecError
+from celery_ojs_ml.integration.gangs import env_of, gang_headers, restore_env, set_env
+from celery_ojs_ml.spec.documents import load_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_flux_node_slot_jobspec_over_two_nodes_is_submitted_as_a_two_rank_gang() -> None:
+    app = Celery("t", broker="memory://", set_as_current=False)
+    app.conf.ojs_ml_store_url = "redis://127.0.0.1:1/0"  # never contacted: no publish here
+    ml = OJSML(app)
+    text = (ROOT / "examples/jobs/flux-rfc25-example.yaml").read_text()
+    sig = ml.signature_for(load_text(text, name="flux"))
+    ranks = [t.options["headers"]["ojs_gang"] for t in sig.tasks]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {r["size"] for r in ranks} == {2} and len({r["id"] for r in ranks}) == 1
+    assert all(t.options["headers"]["ext_ml_gpu_count"] == 1 for t in sig.tasks)
+
+
+@pytest.mark.parametrize("size", [0, 1, True, "2", 10_000])
+def test_a_gang_size_outside_2_to_1024_is_a_spec_error_naming_size(size: object) -> None:
+    with pytest.raises(SpecError) as found:
+        gang_headers(size)
+    assert found.value.paths == ["size"]
+
+
+def test_a_rank_runs_with_the_env_rendezvous_and_the_environment_is_restored_after() -> None:
+    rdv = {"master_addr": "10.0.0.7", "master_port": 29555, "world_size": 4, "rank": 3}
+    request = SimpleNamespace(ojs_rendezvous=rdv)
+    os.environ["RANK"] = "keep"
+    os.environ.pop("MASTER_ADDR", None)
+    set_env(request)
+    seen = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    restore_env(request)
+    assert seen == {"MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29555", "WORLD_SIZE": "4",
+                    "RANK": "3"}  # fmt: skip
+    assert os.environ.get("RANK") == "keep" and "MASTER_ADDR" not in os.environ
+    os.environ.pop("RANK")
+
+
+def test_a_malformed_rendezvous_header_sets_nothing() -> None:
+    assert env_of({"master_addr": "x"}) == {}
+    assert env_of("garbage") == {}
