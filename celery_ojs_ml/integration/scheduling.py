@@ -113,6 +113,7 @@ class FleetScheduler:
             allow_on_demand_preemption=s.allow_on_demand_preemption,
             locality_weight=s.locality_weight,
             budgets=Policy.from_settings(s).budgets,
+            weights=Policy.from_settings(s).weights,
         )
         self._budgeted = {queue for queue, _ in self.policy.budgets}
         self._holds: dict[str, BudgetHold] = {}

@@ -82,6 +82,9 @@ class OJSMLSettings(BaseModel):
     requirements' `ext_ml_reservation_timeout_s` says (OJS ML §8.3)."""
     max_reservation_s: float = Field(default=7 * 86400.0, gt=0)
     """Longest any reservation is held: caps `timeout_s` and a job's extension."""
+    fair_share: dict[str, float] = Field(default_factory=dict)
+    """Queue -> weight: GPUs are shared between competing queues in proportion to their
+    weights (weighted max-min within each band; unlisted queues weigh 1)."""
     advertise_address: str | None = None
     """The address this worker advertises for gangs: `MASTER_ADDR` when it holds rank 0
     (None: the host's primary address)."""
@@ -89,6 +92,14 @@ class OJSMLSettings(BaseModel):
     """Queue name -> {ml_defaults, ml_limits} (OJS ML §10)."""
     bounds: dict[str, Any] = Field(default_factory=dict)
     """Upper bounds and allow-lists (§15), collected from `ojs_ml_max_*` etc."""
+
+    @field_validator("fair_share")
+    @classmethod
+    def _positive_weights(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = {q: w for q, w in value.items() if not w > 0}
+        if bad:
+            raise ValueError(f"fair_share weights must be > 0, got {bad}; e.g. {{'train': 2}}")
+        return value
 
     @field_validator("recycle_gpu_children", mode="before")
     @classmethod

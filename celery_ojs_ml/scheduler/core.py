@@ -26,6 +26,7 @@ from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
+from celery_ojs_ml.scheduler.fair import fair_order, held_gpus
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.gang import place_gangs
 from celery_ojs_ml.scheduler.model import (
@@ -41,7 +42,7 @@ from celery_ojs_ml.scheduler.model import (
     RunningJob,
     WorkerState,
 )
-from celery_ojs_ml.scheduler.order import Ask, in_order
+from celery_ojs_ml.scheduler.order import Ask, OrderKey, in_order
 from celery_ojs_ml.scheduler.pools import (
     PREFIX,
     Filled,
@@ -83,6 +84,10 @@ def schedule(
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
     ordered = in_order(general)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
+    if policy.weights:  # fair sharing between queues (scheduler.fair)
+        fair = fair_order(ordered, held_gpus(fleet), dict(policy.weights))
+        ordered = [job for job, _ in fair]
+        planner.orders = {job.task_id: key for job, key in fair}
     planner.escalated = raised
     for job in ordered:
         planner.decide(job)
@@ -150,12 +155,14 @@ class Planner:
         self._preemptions: list[Preemption] = []
         self._waiting: list[_Waiting] = []
         self._reserved = 0
+        self.orders: dict[str, OrderKey] = {}
+        """Fair-share order keys by task id (`scheduler.fair`); others keep fleet order."""
         self.escalated: dict[str, str] = {}
         """Jobs escalated in this pass (§8.4): task id -> the band they were submitted in."""
 
     def decide(self, job: PendingJob) -> None:
         """Assign, preempt for, reserve for or estimate `job` (see module doc)."""
-        ask = Ask.of(job, self.now)
+        ask = Ask.of(job, self.now, self.orders.get(job.task_id))
         over = self.budgets.blocks(job.queue, _gpus(job))
         if over is not None:  # waits without reserving or preempting (§10.3)
             waiting = _Waiting(ask, None, None)

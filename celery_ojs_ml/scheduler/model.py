@@ -195,6 +195,8 @@ class Policy:
     """A running job past its time limit is expected to end this much later."""
     budgets: tuple[tuple[str, Budget], ...] = ()
     """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
+    weights: tuple[tuple[str, float], ...] = ()
+    """Fair-share weights by queue (`ojs_ml_fair_share`); empty: plain fleet order."""
 
     @classmethod
     def from_settings(cls, settings: object) -> Policy:
@@ -214,6 +216,7 @@ class Policy:
             if p.ml_limits.max_total_gpus is not None
             or p.ml_limits.max_concurrent_gpu_jobs is not None
         )
+        found["weights"] = tuple(sorted((getattr(settings, "fair_share", None) or {}).items()))
         return cls(**found)
 
 

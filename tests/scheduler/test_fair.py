@@ -1,0 +1,63 @@
+"""Fair sharing between queues (`ojs_ml_fair_share`, `scheduler.fair`): weighted max-min."""
+
+from __future__ import annotations
+
+from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, schedule
+from tests.scheduler.helpers import NOW, job, running, worker
+
+
+def _queues(decision: Decision, pending: list[PendingJob]) -> dict[str, int]:
+    by_id = {j.task_id: j.queue for j in pending}
+    out: dict[str, int] = {}
+    for a in decision.assignments:
+        out[by_id[a.task_id]] = out.get(by_id[a.task_id], 0) + 1
+    return out
+
+
+def test_competing_queues_share_gpus_in_proportion_to_their_weights() -> None:
+    """8 GPUs, weights 3:1, both queues with more work than GPUs: 6 and 2."""
+    both = frozenset({"train", "infer"})
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(10)]
+    pending += [job(f"i{i}", at=100 + i, gpu_count=1, queue="infer") for i in range(10)]
+    weights = (("train", 3.0), ("infer", 1.0))
+    decision = schedule(pending, [worker("w", queues=both)], NOW, Policy(weights=weights))
+    assert _queues(decision, pending) == {"train": 6, "infer": 2}
+
+
+def test_without_weights_the_earlier_queue_takes_every_gpu() -> None:
+    both = frozenset({"train", "infer"})
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(10)]
+    pending += [job(f"i{i}", at=100 + i, gpu_count=1, queue="infer") for i in range(10)]
+    decision = schedule(pending, [worker("w", queues=both)], NOW, Policy())
+    assert _queues(decision, pending) == {"train": 8}
+
+
+def test_what_a_queue_already_holds_counts_against_its_share() -> None:
+    both = frozenset({"train", "infer"})
+    held = [running(f"r{i}", gpu_count=1, queue="train", limit=60) for i in range(4)]
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(4)]
+    pending += [job(f"i{i}", at=100 + i, gpu_count=1, queue="infer") for i in range(4)]
+    weights = (("train", 1.0), ("infer", 1.0))
+    decision = schedule(
+        pending, [worker("w", queues=both, jobs=held)], NOW, Policy(weights=weights)
+    )
+    assert _queues(decision, pending) == {"infer": 4}
+
+
+def test_a_queue_asking_for_less_than_its_share_leaves_the_rest_to_the_others() -> None:
+    both = frozenset({"train", "infer"})
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(10)]
+    pending += [job("i0", at=100, gpu_count=1, queue="infer")]
+    weights = (("train", 1.0), ("infer", 1.0))
+    decision = schedule(pending, [worker("w", queues=both)], NOW, Policy(weights=weights))
+    assert _queues(decision, pending) == {"train": 7, "infer": 1}
+
+
+def test_fairness_never_reorders_bands() -> None:
+    both = frozenset({"train", "infer"})
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train", priority_class="reserved")
+               for i in range(8)]  # fmt: skip
+    pending += [job(f"i{i}", at=i, gpu_count=1, queue="infer") for i in range(8)]
+    weights = (("train", 1.0), ("infer", 100.0))
+    decision = schedule(pending, [worker("w", queues=both)], NOW, Policy(weights=weights))
+    assert _queues(decision, pending) == {"train": 8}
