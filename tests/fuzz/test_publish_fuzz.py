@@ -209,8 +209,17 @@ def _expected_messages(doc: Any, app: Celery) -> int | None:
             reject()
         return parsed.task_count
     if isinstance(parsed, Workflow):
-        return 1 if parsed.workflow_type == "chain" else len(parsed.steps)
-    return 1
+        sent = parsed.steps[:1] if parsed.workflow_type == "chain" else parsed.steps
+        return _NO_RESERVATION if _reserved(sent) else len(sent)
+    return _NO_RESERVATION if _reserved([parsed]) else 1
+
+
+_NO_RESERVATION = -1
+"""A published job names a reservation: none exists in the fuzz store (§8.3 MUST verify)."""
+
+
+def _reserved(jobs: Iterable[Any]) -> bool:
+    return any(j.requirements.ext_ml_reservation_id is not None for j in jobs)
 
 
 def _check_submit(broker: Broker, doc: Any) -> None:
@@ -221,6 +230,10 @@ def _check_submit(broker: Broker, doc: Any) -> None:
         assert error is not None, "submit published a document the validator rejects"
         assert sent == []
         _assert_teaches(error, doc)
+        return
+    if expected == _NO_RESERVATION:  # §8.3: verified at publish, nothing goes out
+        assert error is not None and "ext_ml_reservation_id" in error.paths, error
+        assert sent == []
         return
     assert error is None, f"submit rejected a document the validator accepts: {error}"
     assert len(sent) == expected
