@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery_ojs_ml.allocator.devices import pick_devices
@@ -125,11 +125,14 @@ class Allocator:
         *,
         priority: int = 0,
         labels: Mapping[str, str] | None = None,
+        prefer: Sequence[Sequence[int]] = (),
     ) -> Allocation | Pending | Denied:
         """RFC 27 alloc: SUCCESS now, a `Pending` to `hold` (WAIT), or DENY (NEVER).
 
         A request that fits still waits when it would take resources that a held
         request ranked ahead of it is waiting for (the backfill rule in `policy`).
+        `prefer`: device sets to take when one is free and of the right size (the
+        sets warm pool children are bound to), before the best fit.
         """
         self._check_new(key)
         band, now = band_of(req), self._clock()
@@ -140,7 +143,7 @@ class Allocator:
             return Denied(key, task_id, seen.why, seen.reasons)
         if seen.verdict is Verdict.WAIT:
             return Pending(key, task_id, req, band, priority, now, seen.why, dict(labels or {}))
-        return self._commit(key, task_id, req, band, labels or {})
+        return self._commit(key, task_id, req, band, labels or {}, prefer)
 
     def hold(self, pending: Pending) -> None:
         """Queue a request by band, then priority (higher first), then FIFO by `since`."""
@@ -166,6 +169,21 @@ class Allocator:
             del self._shapes[job.shape]
         self._shape = self._free_now = None
         return job.alloc
+
+    def move(self, key: Hashable, devices: Sequence[int]) -> Allocation | None:
+        """Give a running job other devices of the same count, if all are free; else None.
+
+        The warm pool moves a job to the devices an idle child is bound to.
+        """
+        job = self._running.get(key)
+        if job is None or len(devices) != len(job.alloc.devices):
+            return None
+        taken = {i for k, j in self._running.items() if k != key for i in j.alloc.devices}
+        if set(devices) & taken or not all(0 <= i < self._caps.gpu_count for i in devices):
+            return None
+        alloc = replace(job.alloc, devices=tuple(devices))
+        self._running[key] = _Job(alloc, job.labels, job.pool)
+        return alloc
 
     def cancel(self, key: Hashable) -> Pending | None:
         """RFC 27 cancel: drop a held request (revoked, expired); None if not held."""
@@ -368,7 +386,13 @@ class Allocator:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
 
     def _commit(
-        self, key: Hashable, task_id: str, req: MLRequirements, band: str, labels: Mapping[str, str]
+        self,
+        key: Hashable,
+        task_id: str,
+        req: MLRequirements,
+        band: str,
+        labels: Mapping[str, str],
+        prefer: Sequence[Sequence[int]] = (),
     ) -> Allocation:
         want = Demand.of(req)
         pool = pool_of(req.ext_ml_reservation_id, self._pools)
@@ -376,10 +400,11 @@ class Allocator:
             raise AllocatorError(f"task {task_id} does not fit; refusing to overcommit")
         taken = {i for a in self.allocations() for i in a.devices}
         free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
+        warm = [tuple(s) for s in prefer if len(s) == want.gpus and not set(s) & taken]
         alloc = Allocation(
             key,
             task_id,
-            pick_devices(free_devices, want.gpus),
+            warm[0] if warm and want.gpus else pick_devices(free_devices, want.gpus),
             want.cpu_cores,
             want.memory_gb,
             want.tpu_chips,

@@ -29,10 +29,11 @@ import os
 from typing import Any
 
 from celery_ojs_ml.integration.gangs import restore_env, set_env
+from celery_ojs_ml.integration.warm_pool import take_move
 
 log = logging.getLogger(__name__)
 CVD = "CUDA_VISIBLE_DEVICES"
-RECYCLE_MODES = ("cuda", "always", "never")
+RECYCLE_MODES = ("warm", "cuda", "always", "never")
 RECYCLE: dict[str, Any] = {"mode": "never"}
 """Set in the worker's main process at `celeryd_init`; pool children inherit it by fork."""
 NO_LIMIT_KB = 1 << 40
@@ -189,6 +190,7 @@ def pin_devices(task: Any = None, **_: Any) -> None:
     request = getattr(task, "request", None)
     if request is not None:
         set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
+        take_move(request)  # warm children: the job was moved onto this child's devices
     devices = getattr(request, "ojs_devices", None)
     if request is None or devices is None or not getattr(request, "ojs_pin", False):
         return

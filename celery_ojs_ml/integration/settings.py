@@ -41,8 +41,9 @@ class OJSMLSettings(BaseModel):
     """How often a worker looks for newly registered requirement classes."""
     max_hold_s: float = Field(default=10.0, gt=0)
     """Longest a worker holds a message that no longer fits before requeueing it."""
-    recycle_gpu_children: Literal["cuda", "always", "never"] = "cuda"
-    """GPU prefork workers: retire children that initialised CUDA, every child, or none."""
+    recycle_gpu_children: Literal["warm", "cuda", "always", "never"] = "warm"
+    """GPU prefork workers: keep children warm, bound to their devices ("warm"), retire
+    children that initialised CUDA ("cuda"), every child ("always"), or none ("never")."""
     require_pinning: bool = False
     """Refuse to start a GPU worker whose pool cannot pin devices (anything but prefork)."""
     lease_ttl_s: float = Field(default=30.0, gt=0)

@@ -34,7 +34,7 @@ from celery.worker import state as worker_state
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration import assigned, child
+from celery_ojs_ml.integration import assigned, child, warm_pool
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.integration.gangs import (
@@ -84,6 +84,7 @@ def install(app: Celery) -> None:
     app.steps["consumer"].add(MLWorker)
     signals.task_prerun.connect(child.pin_devices, weak=False)
     signals.task_postrun.connect(child.unpin_devices, weak=False)
+    signals.task_postrun.connect(_child_postrun, weak=False)
     signals.task_success.connect(store_rank_result, weak=False)
     signals.celeryd_init.connect(configure_child_recycling, weak=False)
     signals.worker_process_init.connect(_child_init, weak=False)
@@ -133,10 +134,20 @@ def configure_child_recycling(
     child.RECYCLE["mode"] = "never"
     if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
         return
+    if mode == "warm" and warm_pool.missing_internals():
+        log.warning(
+            "ojs-ml: warm children need celery internals that changed (%s); retiring CUDA "
+            "children instead",
+            warm_pool.missing_internals(),
+        )
+        mode = "cuda"
     if mode == "cuda" and not child.billiard_can_retire():
         log.warning("ojs-ml: this billiard cannot retire CUDA children; one task per child")
         mode = "always"
     child.RECYCLE["mode"] = mode
+    if mode == "warm":
+        warm_pool.make_table()  # before the pool forks: children inherit it
+        return
     if mode == "cuda":
         if not (options.get("max_memory_per_child") or conf.worker_max_memory_per_child):
             conf.worker_max_memory_per_child = child.NO_LIMIT_KB
@@ -158,12 +169,26 @@ def _child_init(**_: Any) -> None:
     install_child_handler()
     if child.RECYCLE["mode"] == "cuda":
         child.install_cuda_retirement()
+    if child.RECYCLE["mode"] == "warm":
+        warm_pool.reset_slot()
+        _WATCH["cuda"] = child.DriverWatch()
 
 
 def _child_prerun(**_: Any) -> None:
     from celery_ojs_ml.checkpoint import reset_flag
 
     reset_flag()
+
+
+_WATCH: dict[str, Any] = {}
+
+
+def _child_postrun(task: Any = None, **_: Any) -> None:
+    """Warm mode: a child records the device set its CUDA came up with (`warm_pool`)."""
+    watch = _WATCH.get("cuda")
+    if watch is not None:
+        devices = getattr(getattr(task, "request", None), "ojs_devices", None)
+        warm_pool.bind_after_task(list(devices) if devices else None, watch)
 
 
 class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -213,6 +238,11 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.scheduler: Any = None
         """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
         self._wake_due = False
+        self.router: Any = None
+        """The warm-children router (`warm_pool.Router`); None where it does not run."""
+        self.devices_by_id: dict[str, tuple[int, ...]] = {}
+        self._requests: dict[str, Any] = {}
+        """Devices of each dispatched job, for the router (dropped at release)."""
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
         GATES[self.hostname] = self
@@ -594,6 +624,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 ml,
                 priority=band_priority(headers),
                 labels=job_labels(req.name, headers),
+                prefer=self._warm_sets(),
             )
             if assigned.token_of(req) is not None and not isinstance(outcome, Allocation):
                 return self._not_fitting(req, outcome)
@@ -602,6 +633,26 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 if grace is not None:  # hold it until the victims have yielded or been killed
                     self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
             return self._handle(req, outcome)
+
+    def _warm_sets(self) -> list[tuple[int, ...]]:
+        """Device sets idle warm children are bound to (`warm_pool`)."""
+        return self.router.idle_bound() if self.router else []
+
+    def register_with_event_loop(self, c: Any, hub: Any) -> None:
+        """After the pool wrote its handlers into the hub, before the loop starts (and again
+        on every consumer restart): wrap the pool's write scheduler (`warm_pool`)."""
+        if child.RECYCLE["mode"] == "warm" and self.prefork:
+            self.router = warm_pool.Router.install(c, self.devices_by_id.get, self._move)
+
+    def _move(self, task_id: str, devices: tuple[int, ...]) -> bool:
+        """The router moves a dispatched job onto an idle warm child's devices."""
+        with self.lock:
+            req = self._requests.get(task_id)
+            if req is None or self.allocator.move(req, devices) is None:
+                return False
+            self.devices_by_id[task_id] = devices
+            req.request_dict["ojs_devices"] = list(devices)
+        return True
 
     def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
         """A scheduled job that does not fit: preempt the planned victims, else give it back."""
@@ -664,6 +715,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             return None
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         req.request_dict["ojs_devices"] = list(alloc.devices)
+        self.devices_by_id[req.id] = tuple(alloc.devices)
+        self._requests[req.id] = req
         req.request_dict["ojs_node"] = self.hostname
         req.request_dict["ojs_pin"] = self.prefork
         if HEADER_RENDEZVOUS in req.request_dict:  # a gang rank's failure re-places its gang:
@@ -706,6 +759,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     def release(self, req: Any) -> None:
         """Free a finished job's allocation, then start held jobs that now fit."""
         self.preemptions.finished(req)
+        self.devices_by_id.pop(req.id, None)
+        self._requests.pop(req.id, None)
         with self.lock:
             self.fenced.discard(req)
             if self.allocator.free(req) is None:

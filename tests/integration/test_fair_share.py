@@ -1,9 +1,9 @@
 """Fair sharing between queues on a real worker (`ojs_ml_fair_share`, weights 3:1).
 
-One 4-GPU worker consumes `train` and `infer`. Eight 1-GPU `train` jobs are
-published first, then eight `infer` jobs. In plain fleet order (FIFO) every
+One 4-GPU worker consumes `train` and `infer`. Twelve 1-s `train` jobs are
+published first, then twelve `infer` jobs. In plain fleet order (FIFO) every
 GPU goes to `train` until its jobs are gone; with weights 3:1 `infer` gets
-one GPU from the first pass on, and `train` three.
+about one GPU of four while both queues wait.
 """
 
 from __future__ import annotations
@@ -39,17 +39,20 @@ def test_competing_queues_share_the_gpus_by_weight(
     )  # fmt: skip
     app = make_app(redis_url)
     record = app.tasks["ml.record"]
+    # Published before the worker (and its scheduler) starts.
+    train = [record.apply_async(args=[f"t{i}", 1.0], queue="train").id for i in range(12)]
+    infer = [record.apply_async(args=[f"i{i}", 1.0], queue="infer").id for i in range(12)]
     with running([worker], store):
-        app.ojs_ml.cancel("warm-up")  # the app's store connection is ready before timing
-        train = [record.apply_async(args=[f"t{i}", 1.5], queue="train").id for i in range(8)]
-        infer = [record.apply_async(args=[f"i{i}", 1.5], queue="infer").id for i in range(8)]
         deadline = time.monotonic() + 60
-        while len(_results(redis_client)) < 16 and time.monotonic() < deadline:
+        while len(_results(redis_client)) < 24 and time.monotonic() < deadline:
             time.sleep(0.1)
     runs = {r["task_id"]: r for r in _results(redis_client)}
     assert sorted(runs) == sorted(train + infer), "every job ran exactly once"
-    first = min(r["start"] for r in runs.values())
-    early = [r for r in runs.values() if r["start"] < first + 1.0]  # the first wave
-    tags = sorted(r["tag"][0] for r in early)
-    assert tags == ["i", "t", "t", "t"], f"first wave {tags}: not shared 3:1"
+    last_train = max(runs[i]["start"] for i in train)
+    early = [i for i in infer if runs[i]["start"] < last_train - 0.5]
+    # FIFO: none (train was first); 3:1 over ~4 s of contention: about 3 or 4.
+    assert len(early) >= 2, f"infer started {len(early)} jobs while train still waited"
+    peak = max(sum(1 for i in infer if runs[i]["start"] <= t < runs[i]["end"])
+               for t in (runs[j]["start"] for j in train))  # fmt: skip
+    assert peak <= 2, f"infer held {peak} of 4 GPUs while train waited (weight 1 of 4)"
     app.close()

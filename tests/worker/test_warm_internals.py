@@ -1,0 +1,45 @@
+"""The celery/billiard/kombu internals `integration.warm_pool` relies on (checked against
+celery 5.7.0, billiard 4.3.2, kombu 5.x). Each test fails when one of them changes."""
+
+from __future__ import annotations
+
+import inspect
+
+import billiard.pool
+from celery.concurrency import asynpool
+from kombu.asynchronous import Hub
+
+from celery_ojs_ml.integration import warm_pool
+
+
+def test_warm_pool_finds_every_internal_it_needs_on_the_asynpool_class() -> None:
+    assert warm_pool.missing_internals() == []
+
+
+def test_asynpool_keeps_the_attributes_the_router_reads() -> None:
+    init = inspect.getsource(asynpool.AsynPool.__init__)
+    for name in ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes"):
+        assert f"self.{name}" in init, name
+
+
+def test_the_write_scheduler_is_the_hubs_consolidate_callback_popping_the_outbound_front() -> None:
+    src = inspect.getsource(asynpool.AsynPool._create_write_handlers)
+    assert "hub.consolidate_callback = schedule_writes" in src
+    assert "pop_message = outbound.popleft" in src
+    assert "def schedule_writes(ready_fds" in src
+
+
+def test_the_hub_reads_the_consolidate_callback_when_its_loop_is_created() -> None:
+    """So the router must wrap it in `register_with_event_loop`, before the loop starts."""
+    assert "consolidate_callback = self.consolidate_callback" in inspect.getsource(Hub.create_loop)
+
+
+def test_billiard_gives_each_pool_process_an_index_before_it_starts() -> None:
+    src = inspect.getsource(billiard.pool.Pool._create_worker_process)
+    assert src.index("w.index = i") < src.index("w.start()")
+
+
+def test_a_device_mask_round_trips_and_marks_bound() -> None:
+    mask = warm_pool.mask_of([0, 3])
+    assert warm_pool.devices_of_mask(mask) == [0, 3] and mask > 0
+    assert warm_pool.mask_of([]) != 0  # bound to nothing is still bound
