@@ -1,7 +1,8 @@
 """celery-ojs-ml: OJS ML resource-aware routing, GPU gating and checkpoints for Celery.
 
 Public API: `OJSML(app)` (the plugin), `checkpoint(task)` (the task-side
-checkpoint helper), `Preempted`, and `devices(task)` (a task's GPU indices).
+checkpoint helper), `Preempted`, `devices(task)` (a task's GPU indices) and
+`model(task, key, loader)` (a model loaded once per pool child).
 Names are imported lazily so that `celery_ojs_ml.spec` stays importable alone.
 """
 
@@ -12,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from celery_ojs_ml.checkpoint import Preempted, checkpoint
     from celery_ojs_ml.integration.child import devices
+    from celery_ojs_ml.integration.models import model
     from celery_ojs_ml.integration.plugin import OJSML
 
-__all__ = ["OJSML", "Preempted", "checkpoint", "devices"]
+__all__ = ["OJSML", "Preempted", "checkpoint", "devices", "model"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "OJSML": ("celery_ojs_ml.integration.plugin", "OJSML"),
     "devices": ("celery_ojs_ml.integration.child", "devices"),
+    "model": ("celery_ojs_ml.integration.models", "model"),
     "checkpoint": ("celery_ojs_ml.checkpoint", "checkpoint"),
     "Preempted": ("celery_ojs_ml.checkpoint", "Preempted"),
 }

@@ -83,6 +83,10 @@ class OJSMLSettings(BaseModel):
     requirements' `ext_ml_reservation_timeout_s` says (OJS ML §8.3)."""
     max_reservation_s: float = Field(default=7 * 86400.0, gt=0)
     """Longest any reservation is held: caps `timeout_s` and a job's extension."""
+    model_cache_size: int = Field(default=2, ge=1, le=1000)
+    """Models one pool child keeps loaded (`ml.model`), least recently used evicted first."""
+    model_cache_vram_gb: float | None = Field(default=None, gt=0)
+    """Declared VRAM (`vram_gb=`) one pool child's models may add up to; None: no bound."""
     fair_share: dict[str, float] = Field(default_factory=dict)
     """Queue -> weight: GPUs are shared between competing queues in proportion to their
     weights (weighted max-min within each band; unlisted queues weigh 1)."""

@@ -114,6 +114,12 @@ def bind_after_task(devices: list[int] | None, cuda_up: Callable[[], bool]) -> N
     log.debug("ojs-ml: pool child %s bound to devices %s", index, devices or "all (tainted)")
 
 
+def pool_pids(c: Any) -> list[int]:
+    """Pids of the consumer's prefork pool children ([] for other pools)."""
+    procs = getattr(getattr(getattr(c, "pool", None), "_pool", None), "_pool", None) or []
+    return [int(p.pid) for p in procs if getattr(p, "pid", None)]
+
+
 def missing_internals(pool: Any = None, hub: Any = None) -> list[str]:
     """What this module needs from celery's AsynPool (and the hub) that is not there."""
     from celery.concurrency import asynpool
@@ -187,14 +193,16 @@ class Router:
         busy, active = pool._busy_workers, pool._active_writes
         return [fd for fd in ready if fd not in busy and fd not in active]
 
-    def idle_bound(self) -> list[tuple[int, ...]]:
-        """Device sets of idle children bound to them (the gate prefers these)."""
+    def idle_bound(self, first: Callable[[int], bool] | None = None) -> list[tuple[int, ...]]:
+        """Device sets of idle children bound to them (the gate prefers these); those of
+        children whose pid `first` picks (they hold the job's model) come first."""
         out = []
         for fd in self._idle(list(self.pool._fileno_to_inq)):
             binding = self._binding(fd)
             if binding and binding != TAINTED:
-                out.append(tuple(devices_of_mask(binding)))
-        return out
+                pid = getattr(self.pool._fileno_to_inq.get(fd), "pid", 0)
+                out.append((not (first and first(pid)), tuple(devices_of_mask(binding))))
+        return [devices for _, devices in sorted(out)]
 
     # -- routing ---------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from celery_ojs_ml.integration.gangs import (
 )
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
+from celery_ojs_ml.integration.models import live_models, merged
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.reservations import ReservationBook, held_by
 from celery_ojs_ml.integration.routing import (
@@ -58,6 +59,7 @@ from celery_ojs_ml.integration.routing import (
 from celery_ojs_ml.integration.scheduler_process import start_candidate
 from celery_ojs_ml.integration.scheduling import send_wake, worker_queue_name
 from celery_ojs_ml.integration.wakeup import wake_consumer
+from celery_ojs_ml.integration.warm_pool import pool_pids
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.pending import PendingBook
@@ -242,6 +244,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
         self.devices_by_id: dict[str, tuple[int, ...]] = {}
         self._requests: dict[str, Any] = {}
+        self.child_models: dict[int, dict[str, Any]] = {}
+        """Pool child pid -> {devices, models} it holds (`integration.models`)."""
         """Devices of each dispatched job, for the router (dropped at release)."""
         self._orig_handler = c.on_task_request
         c.on_task_request = self.on_task_request
@@ -419,7 +423,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         try:
             self.store.advertise(
                 self.hostname,
-                capabilities_to_dict(self.caps),
+                self._advertised_caps(),
                 snap,
                 ttl_s=ttl,
                 info={
@@ -432,6 +436,36 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             )
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
+
+    def _advertised_caps(self) -> dict[str, Any]:
+        """The capabilities with `models_loaded` as the pool children hold them now (§11)."""
+        doc = capabilities_to_dict(self.caps)
+        if not self.prefork:
+            return doc
+        try:
+            self.child_models = live_models(self.store, self.hostname, pool_pids(self.c))
+        except Exception as exc:
+            log.debug("ojs-ml: could not read the loaded models: %s", exc)
+            return doc
+        static = doc["capabilities"].get("models_loaded") or []
+        if self.child_models:
+            doc["capabilities"]["models_loaded"] = merged(static, self.child_models)
+        return doc
+
+    def _holds_model(self, ml: MLRequirements) -> Any:
+        """pid -> whether that child holds the job's model (for the gate's device choice)."""
+        want = (ml.ext_ml_model_id, ml.ext_ml_model_version)
+        if not want[0] or not self.child_models:
+            return None
+
+        def holds(pid: int) -> bool:
+            models = (self.child_models.get(pid) or {}).get("models") or []
+            return any(
+                m.get("model_id") == want[0] and want[1] in (None, m.get("model_version"))
+                for m in models
+            )
+
+        return holds
 
     def refresh(self) -> None:
         """Pick up new classes and (re)apply the queues that fit free capacity now."""
@@ -624,7 +658,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                 ml,
                 priority=band_priority(headers),
                 labels=job_labels(req.name, headers),
-                prefer=self._warm_sets(),
+                prefer=self._warm_sets(ml),
             )
             if assigned.token_of(req) is not None and not isinstance(outcome, Allocation):
                 return self._not_fitting(req, outcome)
@@ -634,9 +668,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
                     self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
             return self._handle(req, outcome)
 
-    def _warm_sets(self) -> list[tuple[int, ...]]:
-        """Device sets idle warm children are bound to (`warm_pool`)."""
-        return self.router.idle_bound() if self.router else []
+    def _warm_sets(self, ml: MLRequirements) -> list[tuple[int, ...]]:
+        """Device sets idle warm children are bound to (`warm_pool`), model holders first."""
+        return self.router.idle_bound(self._holds_model(ml)) if self.router else []
 
     def register_with_event_loop(self, c: Any, hub: Any) -> None:
         """After the pool wrote its handlers into the hub, before the loop starts (and again

@@ -314,6 +314,33 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
             dist.destroy_process_group()
         return {**run, "sum": total}
 
+    infer_ml = {"ext_ml_gpu_count": 1, "ext_ml_model_id": "m", "ext_ml_model_version": "1"}
+
+    @app.task(bind=True, name="ml.infer", shared=False, ml=infer_ml)
+    def infer(self: Any, x: int, load_s: float = 0.2) -> dict[str, Any]:
+        """A GPU inference request: CUDA at first use, then the model from the child's cache."""
+        from celery_ojs_ml import model
+        from celery_ojs_ml.integration import models
+
+        with _CUDA_LOCK:
+            if "cvd" not in _FIRST_GPU_USE:
+                init_fake_cuda()
+                _FIRST_GPU_USE["cvd"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        before = models.stats()["loads"]
+        net = model(self, ("m", "1"), lambda: time.sleep(load_s) or {"pid": os.getpid()})
+        entry = {
+            "tag": "infer",
+            "task_id": self.request.id,
+            "pid": os.getpid(),
+            "loaded": models.stats()["loads"] > before,
+            "net_pid": net["pid"],
+            "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "first_cvd": _FIRST_GPU_USE.get("cvd"),
+            "y": x * 2,
+        }
+        _record(results_url, entry)
+        return entry
+
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:
     @app.task(bind=True, name="plain.add", shared=False)

@@ -1,0 +1,59 @@
+"""The per-child model cache (`ml.model`, issue 13) on a real prefork worker with warm
+children: a model is loaded once per child and reused, and the worker's `models_loaded`
+(§11) shows it within a heartbeat."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.workers import WorkerProcess, running
+
+pytestmark = pytest.mark.integration
+
+
+def _results(client: redis.Redis, count: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while client.llen(RESULTS_KEY) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [json.loads(raw) for raw in client.lrange(RESULTS_KEY, 0, -1)]
+
+
+def test_a_model_loaded_once_is_reused_and_models_loaded_shows_it_within_a_heartbeat(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                           extra_env={"OJS_TEST_RECYCLE": "warm"})  # fmt: skip
+    with running([worker], store):
+        before = (
+            store.live_workers()["a@test"]["capabilities"]["capabilities"].get("models_loaded")
+        ) or []
+        results = [app.tasks["ml.infer"].apply_async(args=[i]) for i in range(16)]
+        records = _results(redis_client, 16)
+        done = time.monotonic()
+        seen: list[Any] = []
+        while time.monotonic() - done < 2.0:  # the heartbeat is 0.5 s in tests
+            seen = (
+                store.live_workers()["a@test"]["capabilities"]["capabilities"].get("models_loaded")
+                or []
+            )
+            if seen:
+                break
+            time.sleep(0.05)
+        assert [r.get(timeout=10)["y"] for r in results] == [2 * i for i in range(16)]
+    assert before == []
+    assert seen == [{"model_id": "m", "model_version": "1"}], seen
+    loads = [r for r in records if r["loaded"]]
+    assert 1 <= len(loads) <= 2, f"{len(loads)} loads for 16 requests on 2 children"
+    assert all(r["net_pid"] == r["pid"] for r in records), "a model crossed processes"
+    assert all(r["first_cvd"] == r["cvd"] for r in records), "CUDA bound to other devices"
+    app.close()
