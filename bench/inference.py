@@ -1,0 +1,180 @@
+"""Inference benchmark (issue 13): warm children vs retirement vs one worker per GPU.
+
+A GPU inference task (`bench/inference_app.py`: simulated CUDA init 0.3 s and
+model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
+
+1. `plugin-warm`: the plugin, one 4-GPU (simulated) worker, `-c 4`,
+   `ojs_ml_recycle_gpu_children="warm"` (the default);
+2. `plugin-retire`: the same with `"cuda"` (a child that initialised CUDA is
+   retired after its task: the behaviour before warm children);
+3. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
+   the model loaded in `worker_process_init` (the usual hand-made setup).
+
+Each variant: a warm-up of 8 requests (not measured), then a burst of
+`--burst` requests published back to back (throughput = requests / (last end
+- first publish)), then `--sequential` requests one at a time (latency =
+body end - publish, p50 and p90). Targets: plugin-warm throughput >= 0.9x the
+baseline, and its p50 within 2 ms of the baseline's.
+
+    .venv/bin/python bench/inference.py [--burst 120] [--sequential 40] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.dispatch import private_redis  # noqa: E402
+
+RESULTS_KEY = "ojs-bench:inference"
+VARIANTS = ("plugin-warm", "plugin-retire", "baseline")
+
+
+def workers_for(variant: str, broker: str, logdir: Path) -> list[subprocess.Popen[bytes]]:
+    """Start the variant's workers (they log to `logdir`)."""
+    base = {**os.environ, "OJS_BENCH_BROKER": broker, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "celery", "-A", "bench.inference_app", "worker", "-P",
+           "prefork", "-l", "WARNING", "--without-gossip", "--without-mingle"]  # fmt: skip
+    procs = []
+    if variant == "baseline":
+        for i in range(4):
+            env = {**base, "OJS_BENCH_PLUGIN": "0", "OJS_BENCH_PRELOAD": "1",
+                   "CUDA_VISIBLE_DEVICES": str(i)}  # fmt: skip
+            procs.append(_start([*cmd, "-c", "1", "-n", f"gpu{i}@bench"], env, logdir / f"{i}.log"))
+    else:
+        recycle = "warm" if variant == "plugin-warm" else "cuda"
+        env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle}
+        argv = [*cmd, "-c", "4", "-n", "gpu@bench", "--ojs-ml-capabilities",
+                "profile:nvidia-a100x4"]  # fmt: skip
+        procs.append(_start(argv, env, logdir / f"{variant}.log"))
+    return procs
+
+
+def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    out = log.open("wb")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    out.close()
+    return proc
+
+
+def run_variant(
+    variant: str, broker: str, args: argparse.Namespace, logdir: Path
+) -> dict[str, Any]:
+    os.environ["OJS_BENCH_BROKER"] = broker
+    os.environ["OJS_BENCH_PLUGIN"] = "0" if variant == "baseline" else "1"
+    import importlib
+
+    import bench.inference_app as mod
+
+    mod = importlib.reload(mod)
+    client = redis.Redis.from_url(broker)
+    client.flushdb()
+    procs = workers_for(variant, broker, logdir)
+    try:
+        time.sleep(3.0)  # workers up (the plugin's also elect a scheduler)
+        seq = _phase(mod, client, 0, 8, gap_s=None)  # warm-up: every process pays its cold start
+        _wait(client, seq, 120)
+        client.delete(RESULTS_KEY)
+        burst_start = time.time()
+        seq2 = _phase(mod, client, seq, args.burst, gap_s=None)
+        burst = _wait(client, seq2 - seq, 300)
+        client.delete(RESULTS_KEY)
+        lat = []
+        for i in range(args.sequential):
+            published = time.time()
+            mod.infer.apply_async(args=[seq2 + i, published])
+            lat.extend(_wait(client, 1, 60))
+            client.delete(RESULTS_KEY)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        mod.app.close()
+    ends = [r["end"] for r in burst]
+    latencies = sorted(1000 * (r["end"] - r["published"]) for r in lat)
+    return {
+        "throughput": len(burst) / (max(ends) - burst_start),
+        "cold_in_burst": sum(r["cold"] for r in burst),
+        "p50_ms": statistics.median(latencies),
+        "p90_ms": latencies[int(0.9 * (len(latencies) - 1))],
+        "processes": len({r["pid"] for r in burst + lat}),
+    }
+
+
+def _phase(mod: Any, client: redis.Redis, first: int, n: int, gap_s: float | None) -> int:
+    for i in range(first, first + n):
+        mod.infer.apply_async(args=[i, time.time()])
+    return first + n
+
+
+def _wait(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while client.llen(RESULTS_KEY) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {client.llen(RESULTS_KEY)}/{n} requests finished")
+        time.sleep(0.01)
+    out = []
+    for raw in client.lrange(RESULTS_KEY, 0, -1):
+        seq, pub, start, end, pid, cold = raw.decode().split()
+        out.append({"seq": int(seq), "published": float(pub), "start": float(start),
+                    "end": float(end), "pid": int(pid), "cold": int(cold)})  # fmt: skip
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--burst", type=int, default=120)
+    parser.add_argument("--sequential", type=int, default=40)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="ojs-bench-infer-") as tmp:
+        logdir = Path(tmp)
+        with private_redis(logdir) as broker:
+            for variant in args.variants.split(","):
+                print(f"running {variant} ...", file=sys.stderr, flush=True)
+                results[variant] = run_variant(variant, broker, args, logdir)
+    base = results.get("baseline")
+    if base:
+        for r in results.values():
+            r["throughput_ratio"] = r["throughput"] / base["throughput"]
+            r["p50_added_ms"] = r["p50_ms"] - base["p50_ms"]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{'variant':15} {'req/s':>8} {'ratio':>6} {'p50 ms':>8} {'+p50':>7} {'p90 ms':>8} "
+          f"{'cold':>5} {'procs':>5}")  # fmt: skip
+    for name, r in results.items():
+        print(f"{name:15} {r['throughput']:8.1f} {r.get('throughput_ratio', 0):6.2f} "
+              f"{r['p50_ms']:8.1f} {r.get('p50_added_ms', 0):7.1f} {r['p90_ms']:8.1f} "
+              f"{r['cold_in_burst']:5d} {r['processes']:5d}")  # fmt: skip
+    if base and "plugin-warm" in results:
+        w = results["plugin-warm"]
+        ok_t, ok_l = w["throughput_ratio"] >= 0.9, w["p50_added_ms"] <= 2.0
+        print(f"target throughput >= 0.9x baseline: {'PASS' if ok_t else 'MISS'}; "
+              f"target p50 within 2 ms: {'PASS' if ok_l else 'MISS'}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
