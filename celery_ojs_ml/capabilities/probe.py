@@ -87,8 +87,39 @@ def vram_gb(gpu_type: str, n_bytes: float) -> float:
     return gib_floor(n_bytes)
 
 
-def probe_devices(nvml: Any | None = None) -> list[GpuDevice]:
-    """Every GPU NVML can see, in index order; [] when there is none or no NVML."""
+def visible_tokens(env: dict[str, str] | None = None) -> list[str] | None:
+    """The devices this process may use, as the environment names them; None: all.
+
+    `CUDA_VISIBLE_DEVICES` (indices or UUIDs, in CUDA's order) wins. Else
+    `NVIDIA_VISIBLE_DEVICES` counts only when it lists UUIDs: indices there are
+    the container runtime's, which has already renumbered what NVML sees.
+    """
+    import os
+
+    env = dict(os.environ) if env is None else env
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [t.strip() for t in cvd.split(",") if t.strip()]
+    nvd = env.get("NVIDIA_VISIBLE_DEVICES", "")
+    tokens = [t.strip() for t in nvd.split(",") if t.strip()]
+    if tokens and all(t.startswith(("GPU-", "MIG-")) for t in tokens):
+        return tokens
+    return None
+
+
+def select_visible(devices: list[GpuDevice], tokens: list[str] | None) -> list[GpuDevice]:
+    """The devices `tokens` name, in their order (CUDA numbers them 0.. in that order)."""
+    if tokens is None:
+        return devices
+    by_name = {str(d.index): d for d in devices} | {d.uuid: d for d in devices if d.uuid}
+    return [by_name[t] for t in tokens if t in by_name]
+
+
+def probe_devices(
+    nvml: Any | None = None, visible: list[str] | bool | None = True
+) -> list[GpuDevice]:
+    """The GPUs NVML sees that this process may use (`visible_tokens`), in CUDA's order;
+    [] when there is none or no NVML. `visible=True` reads the environment."""
     module = _load_nvml(nvml)
     if module is None:
         return []
@@ -98,11 +129,13 @@ def probe_devices(nvml: Any | None = None) -> list[GpuDevice]:
     except errors:
         return []
     try:
-        return _read_devices(module, errors)
+        found = _read_devices(module, errors)
     except errors:
         return []
     finally:
         _shutdown(module, errors)
+    tokens = visible_tokens() if visible is True else visible or None
+    return select_visible(found, tokens)
 
 
 def probe(

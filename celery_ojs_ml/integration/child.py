@@ -195,7 +195,22 @@ def pin_devices(task: Any = None, **_: Any) -> None:
     if request is None or devices is None or not getattr(request, "ojs_pin", False):
         return
     request.ojs_saved_cvd = os.environ.get(CVD)
-    os.environ[CVD] = ",".join(str(d) for d in devices)
+    os.environ[CVD] = pinned(devices)
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers devices as NVML does
+
+
+VISIBLE: dict[str, list[str] | None] = {"tokens": None}
+"""The devices the worker itself was given (`probe.visible_tokens`), read at `celeryd_init`
+before the pool forks; allocation index i is the i-th of them."""
+
+
+def pinned(devices: Any) -> str:
+    """CUDA_VISIBLE_DEVICES for allocated indices: the worker's own visible devices when it
+    was started with some (two workers on one host with `0,1` and `2,3` never collide)."""
+    tokens = VISIBLE["tokens"]
+    if tokens is None:
+        return ",".join(str(d) for d in devices)
+    return ",".join(tokens[int(d)] for d in devices if 0 <= int(d) < len(tokens))
 
 
 def unpin_devices(task: Any = None, **_: Any) -> None:

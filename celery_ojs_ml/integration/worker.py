@@ -33,6 +33,7 @@ from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
+from celery_ojs_ml.capabilities.probe import visible_tokens
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import assigned, child, warm_pool
 from celery_ojs_ml.integration.admission import Admission, BadMessage
@@ -134,6 +135,14 @@ def configure_child_recycling(
     caps = capabilities_for(options.get("ojs_ml_capabilities"))
     pool = options.get("pool_cls") or (conf.worker_pool if conf is not None else None)
     child.RECYCLE["mode"] = "never"
+    child.VISIBLE["tokens"] = visible_tokens()
+    if child.VISIBLE["tokens"] is not None and len(child.VISIBLE["tokens"]) < caps.gpu_count:
+        log.error(
+            "ojs-ml: the worker has %d GPUs but CUDA_VISIBLE_DEVICES names %d; tasks on the "
+            "others get no device. Start it with as many visible devices as it advertises",
+            caps.gpu_count,
+            len(child.VISIBLE["tokens"] or []),
+        )
     if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
         return
     if mode == "warm" and warm_pool.missing_internals():
