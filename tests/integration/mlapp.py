@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -340,6 +341,14 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
         }
         _record(results_url, entry)
         return entry
+
+    @app.task(bind=True, name="ml.verified_load", shared=False, ml={"ext_ml_gpu_count": 1})
+    def verified_load(self: Any, path: str) -> int:
+        """Verify the model file against the job's ext_ml_model_checksum, then 'load' it."""
+        from celery_ojs_ml.integration.model_files import verify_model
+
+        verify_model(self, path)
+        return len(Path(path).read_bytes())
 
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:

@@ -57,3 +57,28 @@ def test_a_model_loaded_once_is_reused_and_models_loaded_shows_it_within_a_heart
     assert all(r["net_pid"] == r["pid"] for r in records), "a model crossed processes"
     assert all(r["first_cvd"] == r["cvd"] for r in records), "CUDA bound to other devices"
     app.close()
+
+
+def test_a_checksum_mismatch_fails_the_job_with_the_named_error(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """§4 MUST: a mismatch rejects the job, naming ext_ml_model_checksum and both digests."""
+    import hashlib
+
+    weights = tmp_path / "model.bin"
+    weights.write_bytes(b"weights" * 100)
+    good = "sha256:" + hashlib.sha256(weights.read_bytes()).hexdigest()
+    bad = "sha256:" + "0" * 64
+    app = make_app(redis_url)
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2)
+    task = app.tasks["ml.verified_load"]
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        ok = task.apply_async(args=[str(weights)], headers={"ext_ml_model_checksum": good})
+        wrong = task.apply_async(args=[str(weights)], headers={"ext_ml_model_checksum": bad})
+        assert ok.get(timeout=30) == 700
+        with pytest.raises(Exception) as failed:
+            wrong.get(timeout=30)
+    text = str(failed.value)
+    assert type(failed.value).__name__ == "ChecksumMismatch", repr(failed.value)
+    assert "ext_ml_model_checksum" in text and bad in text and good in text
+    app.close()
