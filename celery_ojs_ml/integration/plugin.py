@@ -64,9 +64,11 @@ class OJSML:
         self._install_router()
         signals.before_task_publish.connect(_apply_time_limit, weak=False)
         signals.before_task_publish.connect(_record_pending, weak=False)
+        from celery_ojs_ml.integration import dedup
         from celery_ojs_ml.integration.worker import install
 
         install(app)
+        dedup.install(app)
 
     # -- configuration -------------------------------------------------------------------------
 

@@ -350,6 +350,14 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
         verify_model(self, path)
         return len(Path(path).read_bytes())
 
+    @app.task(bind=True, name="ml.dedup_echo", shared=False, ml={"ext_ml_gpu_count": 1},
+              ml_dedup={"window_s": 3})  # fmt: skip
+    def dedup_echo(self: Any, x: int) -> dict[str, Any]:
+        """An inference request deduplicated for 3 s (OJS ML §14.6)."""
+        entry = {"tag": "dedup", "task_id": self.request.id, "x": x, "y": x * 10}
+        _record(results_url, entry)
+        return entry
+
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:
     @app.task(bind=True, name="plain.add", shared=False)
