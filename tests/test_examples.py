@@ -15,3 +15,9 @@ def test_the_gang_training_example_checkpoints_and_is_a_gang_task() -> None:
     mod = importlib.import_module("examples.gang_training")
     assert mod.train.ml["ext_ml_checkpoint_enabled"] is True
     assert mod.ml.app is mod.app
+
+
+def test_the_inference_example_caches_its_model_and_deduplicates() -> None:
+    mod = importlib.import_module("examples.inference_app")
+    assert mod.encode.ml["ext_ml_model_id"] == "tiny-encoder"
+    assert mod.encode.ml_dedup == {"window_s": 10}
