@@ -63,7 +63,8 @@ from celery_ojs_ml.spec.resources import MLRequirements
 log = logging.getLogger(__name__)
 
 _MIN_PASS_GAP_S = 0.01
-"""Shortest time between two scheduling passes (see `FleetScheduler.step`)."""
+"""Longest enforced time between two scheduling passes; the gap actually used is twice
+the last pass's duration, up to this (see `FleetScheduler.step`)."""
 _RETURN_BACKOFF_S = 0.5
 """How long a job given back by a gate (or taken back) waits before it is assigned again."""
 _ADMIT_BATCH = 200
@@ -138,6 +139,7 @@ class FleetScheduler:
         """Admissions read from the intake, written in one batch after the drain."""
         self.passes = 0
         self._rendezvous: dict[str, dict[str, Any]] = {}
+        self._gap_s = _MIN_PASS_GAP_S
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -204,7 +206,7 @@ class FleetScheduler:
         """
         self._connect()
         assert self._conn is not None
-        gap = self._last_pass + _MIN_PASS_GAP_S - time.monotonic()
+        gap = self._last_pass + self._gap_s - time.monotonic()
         if gap > 0:
             self._stop.wait(gap)
         try:
@@ -214,8 +216,12 @@ class FleetScheduler:
         except TimeoutError:
             pass
         self._admit()
+        began = time.monotonic()
         self.schedule_once()
         self._last_pass = time.monotonic()
+        # Batch passes in proportion to their cost: a cheap pass (an idle fleet) lets the
+        # next job in at once; an expensive one (a long pending set) waits up to the cap.
+        self._gap_s = min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
 
     def _admit(self) -> None:
         """Write the drained jobs to the pending set in one transaction, then ack them."""
@@ -346,6 +352,8 @@ class FleetScheduler:
         self._dirty = False
         now = time.time()
         records = self.book.records()
+        if not records and not self._any_reservations():
+            return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         live = self.store.live_workers()
         self._take_back(records, live, now)
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
