@@ -5,9 +5,11 @@ model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
 
 1. `plugin-warm`: the plugin, one 4-GPU (simulated) worker, `-c 4`,
    `ojs_ml_recycle_gpu_children="warm"` (the default);
-2. `plugin-retire`: the same with `"cuda"` (a child that initialised CUDA is
+2. `plugin-prefetch`: plugin-warm with `ojs_ml_prefetch = 4` (the next jobs wait at
+   the worker's gate and start the moment a job ends);
+3. `plugin-retire`: the same with `"cuda"` (a child that initialised CUDA is
    retired after its task: the behaviour before warm children);
-3. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
+4. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
    the model loaded in `worker_process_init` (the usual hand-made setup).
 
 Each variant: a warm-up of 8 requests (not measured), then a burst of
@@ -42,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from bench.dispatch import private_redis  # noqa: E402
 
 RESULTS_KEY = "ojs-bench:inference"
-VARIANTS = ("plugin-warm", "plugin-retire", "baseline")
+VARIANTS = ("plugin-warm", "plugin-prefetch", "plugin-retire", "baseline")
 
 
 def workers_for(variant: str, broker: str, logdir: Path) -> list[subprocess.Popen[bytes]]:
@@ -57,8 +59,10 @@ def workers_for(variant: str, broker: str, logdir: Path) -> list[subprocess.Pope
                    "CUDA_VISIBLE_DEVICES": str(i)}  # fmt: skip
             procs.append(_start([*cmd, "-c", "1", "-n", f"gpu{i}@bench"], env, logdir / f"{i}.log"))
     else:
-        recycle = "warm" if variant == "plugin-warm" else "cuda"
-        env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle}
+        recycle = "cuda" if variant == "plugin-retire" else "warm"
+        prefetch = "4" if variant == "plugin-prefetch" else "0"
+        env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle,
+               "OJS_BENCH_PREFETCH": prefetch}  # fmt: skip
         argv = [*cmd, "-c", "4", "-n", "gpu@bench", "--ojs-ml-capabilities",
                 "profile:nvidia-a100x4"]  # fmt: skip
         procs.append(_start(argv, env, logdir / f"{variant}.log"))

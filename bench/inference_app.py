@@ -6,6 +6,7 @@ Environment:
     OJS_BENCH_PLUGIN    "1": `OJSML(app)`; "0": plain Celery (the hand-made baseline)
     OJS_BENCH_RECYCLE   `ojs_ml_recycle_gpu_children` for the plugin ("warm", "cuda")
     OJS_BENCH_PRELOAD   "1": load the model in `worker_process_init` (the baseline's way)
+    OJS_BENCH_PREFETCH  `ojs_ml_prefetch` for the plugin (default 0)
 
 Per process, the first GPU use costs a simulated CUDA init (`CUDA_INIT_S`, and a
 library named `libcuda.so.1` is mapped so the plugin sees CUDA as it would for
@@ -46,6 +47,7 @@ if PLUGIN:
 
     app.conf.ojs_ml_recycle_gpu_children = os.environ.get("OJS_BENCH_RECYCLE", "warm")
     app.conf.ojs_ml_heartbeat_s = 0.5
+    app.conf.ojs_ml_prefetch = int(os.environ.get("OJS_BENCH_PREFETCH", "0"))
     OJSML(app)
 
 

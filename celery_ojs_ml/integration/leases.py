@@ -439,5 +439,6 @@ _TRANSIENT = frozenset(
         "ojs_lease",
         "ojs_assign",
         "ojs_victims",
+        "ojs_prefetch",
     }
 )

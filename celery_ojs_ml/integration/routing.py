@@ -40,7 +40,7 @@ HEADER_LOGICAL = "ojs_logical_queue"
 HEADER_PENDING = "ojs_pending"
 """Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
-SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous")
+SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous", "ojs_prefetch")
 """Set by the scheduler on one delivery; never carried into a new publish."""
 
 

@@ -73,6 +73,7 @@ _ADMIT_BATCH = 200
 HEADER_ASSIGN = "ojs_assign"
 HEADER_VICTIMS = "ojs_victims"
 HEADER_WAKE = "ojs_wake"
+HEADER_PREFETCH = "ojs_prefetch"
 _PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
 
 
@@ -109,7 +110,8 @@ class FleetScheduler:
         self.candidate = candidate or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         self.admission = Admission(s.parse_options().bounds, s.max_header_bytes)
         self.policy = Policy(
-            reservation_depth=s.reservation_depth,
+            # with prefetch, the next jobs in order hold reservations on their workers
+            reservation_depth=max(s.reservation_depth, 16 * s.prefetch),
             min_runtime_before_preemption_s=s.min_runtime_before_preemption_s,
             allow_on_demand_preemption=s.allow_on_demand_preemption,
             locality_weight=s.locality_weight,
@@ -140,6 +142,8 @@ class FleetScheduler:
         self.passes = 0
         self._rendezvous: dict[str, dict[str, Any]] = {}
         self._gap_s = _MIN_PASS_GAP_S
+        self._prefetched: dict[str, str] = {}
+        """Jobs delivered ahead of capacity (`_prefetch`) -> their worker, until started."""
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -395,9 +399,41 @@ class FleetScheduler:
             self._deny(d.task_id, records.get(d.task_id), d.note)
         for p in decision.preemptions:
             self._deliver(p.task_id, p.worker, records[p.task_id], jobs[p.task_id], p.victims, now)
+        if self.settings.prefetch:
+            self._prefetch(decision, records, jobs, now)
         self._annotate(decision)
         self.passes += 1
         return decision
+
+    def _prefetch(
+        self,
+        decision: Decision,
+        records: dict[str, dict[str, Any]],
+        jobs: dict[str, PendingJob],
+        now: float,
+    ) -> None:
+        """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
+        holds them and starts them as soon as a job there ends, without a pass between."""
+        waiting = {w: n for w, n in self._held_ahead(records).items()}
+        for r in decision.reservations:
+            job = jobs.get(r.task_id)
+            if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
+                continue
+            if waiting.get(r.worker, 0) >= self.settings.prefetch:
+                continue
+            waiting[r.worker] = waiting.get(r.worker, 0) + 1
+            self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True)
+
+    def _held_ahead(self, records: dict[str, dict[str, Any]]) -> dict[str, int]:
+        """Prefetched jobs not started yet, per worker."""
+        out: dict[str, int] = {}
+        for task_id, worker in list(self._prefetched.items()):
+            record = records.get(task_id)
+            if record is None or record.get("state") != ASSIGNED:
+                del self._prefetched[task_id]
+            else:
+                out[worker] = out.get(worker, 0) + 1
+        return out
 
     def _any_reservations(self) -> bool:
         return bool(self.store.client.exists(self.reservations.key))
@@ -473,10 +509,14 @@ class FleetScheduler:
         job: PendingJob,
         victims: tuple[str, ...],
         now: float,
+        *,
+        prefetch: bool = False,
     ) -> None:
         token = self.book.assign(task_id, worker, now=now, victims=victims)
         if token is None:
             return
+        if prefetch:
+            self._prefetched[task_id] = worker
         from celery_ojs_ml.allocator.model import Demand
 
         self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels)
@@ -485,6 +525,8 @@ class FleetScheduler:
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
         msg = record["msg"]
         headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
+        if prefetch:
+            headers[HEADER_PREFETCH] = True
         if task_id in self._rendezvous:
             headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
         headers.pop("ojs_pending", None)

@@ -68,6 +68,10 @@ class OJSMLSettings(BaseModel):
     """Stand for election as the fleet scheduler: "auto" in a child process (a thread where
     the app has no import path or the broker is memory://), "thread" in the worker's main
     process, "off" never."""
+    prefetch: int = Field(default=0, ge=0, le=64)
+    """Jobs the scheduler may deliver to a worker ahead of free capacity, to wait at its gate
+    and start the moment a job there ends (0: off). They are the jobs first in fleet order
+    that hold a reservation on that worker."""
     reservation_depth: int = Field(default=1, ge=1, le=1000)
     """How many blocked jobs, first in fleet order, hold a reservation (backfill guard)."""
     min_runtime_before_preemption_s: float = Field(default=60.0, ge=0)

@@ -58,7 +58,7 @@ from celery_ojs_ml.integration.routing import (
     queue_name,
 )
 from celery_ojs_ml.integration.scheduler_process import start_candidate
-from celery_ojs_ml.integration.scheduling import send_wake, worker_queue_name
+from celery_ojs_ml.integration.scheduling import HEADER_PREFETCH, send_wake, worker_queue_name
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.integration.warm_pool import pool_pids
 from celery_ojs_ml.lru import LRU
@@ -699,6 +699,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
         """A scheduled job that does not fit: preempt the planned victims, else give it back."""
+        if isinstance(outcome, Pending) and req.request_dict.get(HEADER_PREFETCH):
+            # delivered ahead of capacity: wait here, start as soon as a job ends
+            self.hold_until[req] = time.monotonic() + self.settings.assignment_timeout_s - 1
+            return self._handle(req, outcome)
         victims = assigned.victims_of(req)
         grace = assigned.preempt_planned(self, req, victims) if victims else None
         if isinstance(outcome, Pending) and grace is not None:

@@ -1,0 +1,40 @@
+"""`ojs_ml_prefetch` on a real worker: jobs delivered ahead of capacity wait at the gate
+and start as soon as a job ends; every job still runs exactly once."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.workers import WorkerProcess, running
+
+pytestmark = pytest.mark.integration
+
+
+def test_prefetched_jobs_wait_at_the_gate_and_every_job_runs_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    app = make_app(redis_url)
+    conf = json.dumps({"ojs_ml_prefetch": 2})
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=3,
+                           extra_env={"OJS_TEST_CONF": conf})  # fmt: skip
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        ids = [app.tasks["ml.record"].apply_async(args=[f"p{i}", 0.3]).id for i in range(10)]
+        deadline = time.monotonic() + 60
+        while redis_client.llen(RESULTS_KEY) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # nothing runs twice afterwards
+    runs = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
+    assert sorted(r["task_id"] for r in runs) == sorted(ids), "a job was lost or ran twice"
+    for r in runs:  # never more than 2 GPUs in use at any instant
+        at_once = [o for o in runs if o["start"] <= r["start"] < o["end"]]
+        assert len(at_once) <= 2, at_once
+    log = (tmp_path / "a.log").read_text()
+    assert "ojs-ml: holding" in log, "no job was delivered ahead of capacity"
+    app.close()
