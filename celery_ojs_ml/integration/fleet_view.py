@@ -26,6 +26,7 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.pending import ASSIGNED, PENDING
 from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
+from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.spec.resources import MLRequirements
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
@@ -51,14 +52,15 @@ def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> Pendin
     affinity = headers.get("ext_mlx_scheduling_gpu_affinity")
     priority = record.get("priority", meta.get("priority", 0))
     limit = meta.get("time_limit_s")
+    band, queue = meta.get("band"), meta.get("queue")
     return PendingJob(
         task_id=task_id,
         req=req,
         priority=int(priority or 0),
         submitted_at=float(meta.get("submitted_at") or 0.0),
         time_limit_s=None if limit is None else float(limit),
-        queue=str(meta.get("queue") or "celery"),
-        band=str(meta.get("band") or ""),
+        queue=queue if isinstance(queue, str) and queue else "celery",
+        band=band if band in BANDS else "",  # a foreign `ojs_band` is recomputed, not trusted
         gpu_affinity=affinity if affinity in _AFFINITY else "pack",
         labels=job_labels(headers.get("task"), headers),
         **gang_of(headers),

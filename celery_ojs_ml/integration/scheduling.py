@@ -375,7 +375,11 @@ class FleetScheduler:
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
             if record.get("state") == "pending" and not self._cooling(record, now):
-                job = pending_job(task_id, record, self.parse)
+                try:
+                    job = pending_job(task_id, record, self.parse)
+                except Exception as exc:  # one foreign record must not stop every pass
+                    log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
+                    continue
                 if job is not None:
                     waiting.append(job)
         inflight = self._inflight(records, leases, live) if self.policy.budgets else []

@@ -147,10 +147,13 @@ def _wait_done(client: redis.Redis, ids: list[str], logs: list[Path], timeout: f
 def _state(client: redis.Redis, task_id: str, logs: list[Path]) -> dict[str, Any]:
     queued = [
         k
-        for k in client.keys("celery*")
+        for pattern in ("celery*", "ojs.ml.*")  # Celery's queues, the intake, workers' own
+        for k in client.keys(pattern)
         if client.type(k) == b"list" and any(task_id.encode() in m for m in client.lrange(k, 0, -1))
     ]
+    state = client.hget(OJSStore(client, prefix="ojs").key("pjob", task_id), "state")
     return {
+        "pending": (state or b"").decode() in ('"pending"', '"assigned"', "pending", "assigned"),
         "runs": [json.loads(r) for r in client.lrange(f"ojs-test:runs:{task_id}", 0, -1)],
         "lease": client.get(OJSStore(client, prefix="ojs").key("lease", task_id)),
         "unacked": [t for t, raw in client.hgetall("unacked").items() if task_id.encode() in raw],
@@ -162,13 +165,14 @@ def _state(client: redis.Redis, task_id: str, logs: list[Path]) -> dict[str, Any
 def _nowhere(client: redis.Redis, task_id: str, logs: list[Path]) -> bool:
     """Whether the job's last publish was lost in kombu's BRPOP window (see `_wait_done`).
 
-    The job is in no queue, not unacked and has no lease, and either it never
+    The job is in no queue (Celery's, the intake or a worker's own), not unacked,
+    not waiting or assigned in the pending set, and has no lease, and either it never
     ran and no worker ever named it, or its last copy was re-published (the
     log's `re-publishing ...[id] ... (crash N)`) and then never received by any
     worker: no run with crash N exists and no `[id] received` line follows.
     """
     state = _state(client, task_id, logs)
-    if any(state[k] for k in ("lease", "unacked", "queued")):
+    if any(state[k] for k in ("lease", "unacked", "queued", "pending")):  # the store holds it
         return False
     runs = state["runs"]
     if not runs:
