@@ -32,6 +32,27 @@ def last_checkpoint_of(store: OJSStore, task_id: str) -> dict[str, Any] | None:
     return dict(dump(mode="json")) if dump else dict(meta)
 
 
+def republish_request(
+    app: Celery, store: OJSStore, req: Any, **counters: int
+) -> dict[str, Any] | None:
+    """Re-publish a worker's request under the same id and retries, with its last committed
+    checkpoint and updated counters (`ojs_preemptions`, `ojs_crashes`); returns that
+    checkpoint (None: none committed)."""
+    from celery_ojs_ml.integration.leases import republish_headers
+
+    headers = req.request_dict
+    checkpoint = last_checkpoint_of(store, req.id)
+    app.send_task(
+        req.name,
+        args=list(req.args),
+        kwargs=dict(req.kwargs),
+        task_id=req.id,
+        retries=int(headers.get("retries") or 0),
+        headers=republish_headers(headers, ojs_last_checkpoint=checkpoint, **counters),
+    )
+    return checkpoint
+
+
 def dead_letter(store: OJSStore, job: dict[str, Any], reason: str) -> dict[str, Any]:
     """Record a job as dead with its reason and last checkpoint; returns the record."""
     record = {

@@ -139,23 +139,13 @@ def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
     again whole; False (fail it as usual) once the gang crashed `ojs_ml_max_crashes` times."""
     from celery.worker import state as worker_state
 
-    from celery_ojs_ml.integration.deadletter import last_checkpoint_of
-    from celery_ojs_ml.integration.leases import republish_headers
+    from celery_ojs_ml.integration.deadletter import republish_request
 
-    headers = req.request_dict
     try:
-        crashes = gang_crash(gate.store, headers)
+        crashes = gang_crash(gate.store, req.request_dict)
         if crashes is None or crashes > gate.settings.max_crashes:
             return False
-        checkpoint = last_checkpoint_of(gate.store, req.id)
-        gate.app.send_task(
-            req.name,
-            args=list(req.args),
-            kwargs=dict(req.kwargs),
-            task_id=req.id,
-            retries=int(headers.get("retries") or 0),
-            headers=republish_headers(headers, ojs_crashes=crashes, ojs_last_checkpoint=checkpoint),
-        )
+        republish_request(gate.app, gate.store, req, ojs_crashes=crashes)
     except Exception as err:  # the store or broker is down: fail it as usual, with the reason
         log.warning("ojs-ml: could not re-place gang rank %s: %s", req.id, err)
         return False

@@ -35,8 +35,7 @@ from billiard.exceptions import Terminated, WorkerLostError
 from celery.exceptions import Ignore
 
 from celery_ojs_ml.allocator import with_preemption_limits
-from celery_ojs_ml.integration.deadletter import last_checkpoint_of
-from celery_ojs_ml.integration.leases import republish_headers
+from celery_ojs_ml.integration.deadletter import republish_request
 from celery_ojs_ml.spec.resources import MLRequirements
 
 if TYPE_CHECKING:
@@ -160,20 +159,9 @@ class Preemptions:
 
         gate = self.gate
         worker_state.task_ready(req)
-        headers = req.request_dict
-        count = preemptions_of(headers) + 1
-        checkpoint = last_checkpoint_of(gate.store, req.id)
+        count = preemptions_of(req.request_dict) + 1
         clear_preemption(gate.store, req.id)
-        gate.app.send_task(
-            req.name,
-            args=list(req.args),
-            kwargs=dict(req.kwargs),
-            task_id=req.id,
-            retries=int(headers.get("retries") or 0),
-            headers=republish_headers(
-                headers, ojs_preemptions=count, ojs_last_checkpoint=checkpoint
-            ),
-        )
+        checkpoint = republish_request(gate.app, gate.store, req, ojs_preemptions=count)
         how = "yielded" if isinstance(exc, Ignore) else _killed(req)
         log.warning("ojs-ml: %s %s; re-published (preemption %d)", req.id, how, count)
         req.send_event("task-retried", exception=f"Preempted({how}, preemptions={count})")

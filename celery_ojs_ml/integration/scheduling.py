@@ -418,7 +418,7 @@ class FleetScheduler:
     ) -> None:
         """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
         holds them and starts them as soon as a job there ends, without a pass between."""
-        waiting = {w: n for w, n in self._held_ahead(records).items()}
+        waiting = self._held_ahead(records)
         for r in decision.reservations:
             job = jobs.get(r.task_id)
             if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
