@@ -1,8 +1,9 @@
 """celery-ojs-ml: OJS ML resource-aware routing, GPU gating and checkpoints for Celery.
 
 Public API: `OJSML(app)` (the plugin), `checkpoint(task)` (the task-side
-checkpoint helper), `Preempted`, `devices(task)` (a task's GPU indices) and
-`model(task, key, loader)` (a model loaded once per pool child).
+checkpoint helper), `Preempted`, `devices(task)` (a task's GPU indices),
+`model(task, key, loader)` (a model loaded once per pool child) and
+`limit_torch_memory(task)` (cap torch at a GPU share, docs/sharing.md).
 Names are imported lazily so that `celery_ojs_ml.spec` stays importable alone.
 """
 
@@ -15,8 +16,9 @@ if TYPE_CHECKING:
     from celery_ojs_ml.integration.child import devices
     from celery_ojs_ml.integration.models import model
     from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.integration.sharing import limit_torch_memory
 
-__all__ = ["OJSML", "Preempted", "checkpoint", "devices", "model"]
+__all__ = ["OJSML", "Preempted", "checkpoint", "devices", "limit_torch_memory", "model"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -25,6 +27,7 @@ _LAZY = {
     "model": ("celery_ojs_ml.integration.models", "model"),
     "checkpoint": ("celery_ojs_ml.checkpoint", "checkpoint"),
     "Preempted": ("celery_ojs_ml.checkpoint", "Preempted"),
+    "limit_torch_memory": ("celery_ojs_ml.integration.sharing", "limit_torch_memory"),
 }
 
 

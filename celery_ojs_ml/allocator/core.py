@@ -9,6 +9,9 @@ Key decision: it is pure. No Celery, no I/O, no threads and an injected clock,
 so the worker's gate (which calls it from the main process only) owns all
 concurrency, and every rule here is tested without a broker. Verdicts reuse
 matching's filters and reason strings, so the worker says what `match` says.
+With GPU sharing on, a `ShareLedger` accounts each device in milli-GPU
+(`allocator.sharing`): shares fill partly used devices, whole jobs take only
+untouched ones, and a device a share touches is not a free GPU.
 """
 
 from __future__ import annotations
@@ -32,11 +35,21 @@ from celery_ojs_ml.allocator.model import (
 )
 from celery_ojs_ml.allocator.policy import blocker, choose_victims, counted_reasons, is_victim
 from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
+from celery_ojs_ml.allocator.sharing import (
+    FULL,
+    ShareLedger,
+    device_free,
+    pick_share,
+    share_device,
+    share_milli,
+    share_reasons,
+    untouched,
+)
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.spec.classes import band as band_of
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 _COUNTED = frozenset(RESOURCE_NAMES.values())
 _ASSESSED_MAX = 1024
@@ -63,6 +76,7 @@ class _Job:
             a.tpu_chips,
             tuple(sorted(self.labels.items())),
             self.pool,
+            (a.devices, a.gpu_milli) if a.gpu_milli else None,  # a share: which device, how much
         )
         object.__setattr__(self, "shape", shape)  # frozen: set once, here
 
@@ -85,8 +99,11 @@ class Allocator:
         reserve_cpu: float = 0,
         reserve_memory_gb: float = 0,
         allow_on_demand_preemption: bool = False,
+        gpu_sharing: bool = False,
     ) -> None:
         self._caps = caps
+        self._ledger = ShareLedger(caps.gpu_count) if gpu_sharing else None
+        """Milli-GPU per device (`allocator.sharing`); None: sharing off, whole GPUs only."""
         self._clock = clock
         self._total = Demand.capacity(caps, reserve_cpu, reserve_memory_gb)
         self._allow_on_demand = allow_on_demand_preemption
@@ -162,6 +179,8 @@ class Allocator:
         job = self._running.pop(key, None)
         if job is None:
             return None
+        if self._ledger is not None:
+            self._ledger.release_job(key, job.alloc.devices)
         left = self._shapes[job.shape] - 1
         if left:
             self._shapes[job.shape] = left
@@ -176,12 +195,15 @@ class Allocator:
         The warm pool moves a job to the devices an idle child is bound to.
         """
         job = self._running.get(key)
-        if job is None or len(devices) != len(job.alloc.devices):
-            return None
+        if job is None or len(devices) != len(job.alloc.devices) or job.alloc.gpu_milli:
+            return None  # a share stays where its milli-GPU are accounted
         taken = {i for k, j in self._running.items() if k != key for i in j.alloc.devices}
         if set(devices) & taken or not all(0 <= i < self._caps.gpu_count for i in devices):
             return None
         alloc = replace(job.alloc, devices=tuple(devices))
+        if self._ledger is not None:
+            self._ledger.release_job(key, job.alloc.devices)
+            self._ledger.take_job(key, alloc.devices, 0)
         self._running[key] = _Job(alloc, job.labels, job.pool)
         return alloc
 
@@ -281,7 +303,17 @@ class Allocator:
         }
         if self._pools:  # only while any is held: the heartbeat stays as small as before
             snap["reservations"] = {rid: _counts(d) for rid, d in self._pools.items()}
+        if self._ledger is not None:  # sharing on: the scheduler's per-device fit reads it
+            snap["gpu_free_milli"] = list(self.gpu_free_milli())
         return snap
+
+    def gpu_free_milli(self, released: Collection[Allocation] = ()) -> tuple[int, ...]:
+        """Milli-GPU left on each device (0 where a whole job holds it), `released` gone."""
+        gone = {a.key for a in released}
+        held = (
+            (j.alloc.devices, j.alloc.gpu_milli) for k, j in self._running.items() if k not in gone
+        )
+        return device_free(self._caps.gpu_count, held)
 
     def _check_new(self, key: Hashable) -> None:
         if key in self._running or key in self._held:
@@ -299,6 +331,13 @@ class Allocator:
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
 
     def _free(self, released: Collection[Allocation]) -> Demand:
+        """Free counted resources, `released` gone; a device a share touches is not a free GPU."""
+        free = self._free_counted(released)
+        if self._ledger is None or not any(j.alloc.gpu_milli for j in self._running.values()):
+            return free
+        return replace(free, gpus=min(free.gpus, len(untouched(self.gpu_free_milli(released)))))
+
+    def _free_counted(self, released: Collection[Allocation]) -> Demand:
         """Free counted resources once `released` are gone (recomputed, so no float drift).
 
         With nothing released, the answer is a function of the capacity shape
@@ -373,14 +412,37 @@ class Allocator:
         total = self._pools[pool] if pool else self._total
         found = hard_reasons(req, self._caps, self._capacity_view(released))
         reasons = [r for r in found if r.resource not in _COUNTED]
-        reasons += counted_reasons(Demand.of(req), total, free)
+        want = Demand.of(req)
+        if gpu_share(req) is not None:
+            milli = self.gpu_free_milli(released)
+            reasons += share_reasons(req, self._caps, self._ledger is not None, milli)
+            want = self._share_want(req, want, milli)
+        reasons += counted_reasons(want, total, free)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
         if never:
             return _Assessment(Verdict.NEVER, never, _join(never))
         if reasons:
             return _Assessment(Verdict.WAIT, tuple(reasons), _join(reasons))
-        why = blocker(Demand.of(req), free, ahead)
+        why = blocker(want, free, ahead)
         return _Assessment(Verdict.WAIT, (), why) if why else _Assessment(Verdict.FITS, (), "")
+
+    def _share_want(self, req: MLRequirements, want: Demand, free: Sequence[int]) -> Demand:
+        """A share that would open an untouched device takes a whole GPU from whole jobs."""
+        milli = share_milli(req, self._caps)
+        device = None if milli is None else pick_share(free, milli)
+        return want if device is None or free[device] < FULL else replace(want, gpus=1)
+
+    def _devices(
+        self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]
+    ) -> tuple[tuple[int, ...], int]:
+        """The devices a job takes (warm sets first, then best fit) and its milli (0: whole)."""
+        milli = share_milli(req, self._caps) if self._ledger is not None else None
+        if milli is not None:
+            return (share_device(self.gpu_free_milli(), milli, prefer),), milli
+        taken = {i for a in self.allocations() for i in a.devices}
+        free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
+        warm = [tuple(s) for s in prefer if len(s) == want.gpus and not set(s) & taken]
+        return (warm[0] if warm and want.gpus else pick_devices(free_devices, want.gpus)), 0
 
     def _start(self, p: Pending) -> Allocation:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
@@ -398,20 +460,21 @@ class Allocator:
         pool = pool_of(req.ext_ml_reservation_id, self._pools)
         if want.short_of(self._free_in(pool, ()) if pool else self._free(())):
             raise AllocatorError(f"task {task_id} does not fit; refusing to overcommit")
-        taken = {i for a in self.allocations() for i in a.devices}
-        free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
-        warm = [tuple(s) for s in prefer if len(s) == want.gpus and not set(s) & taken]
+        devices, milli = self._devices(req, want, prefer)
         alloc = Allocation(
             key,
             task_id,
-            warm[0] if warm and want.gpus else pick_devices(free_devices, want.gpus),
+            devices,
             want.cpu_cores,
             want.memory_gb,
             want.tpu_chips,
             band,
             preemptible_of(req),
             self._clock(),
+            milli,
         )
+        if self._ledger is not None:  # refuses to oversubscribe a device (invariant 1)
+            self._ledger.take_job(key, devices, milli)
         job = self._running[key] = _Job(alloc, dict(labels), pool)
         self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
         self._shape = self._free_now = None

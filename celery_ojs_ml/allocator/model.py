@@ -17,7 +17,7 @@ from celery_ojs_ml.errors import OJSMLError
 from celery_ojs_ml.matching import Reason
 from celery_ojs_ml.spec.catalogue import priority_rank
 from celery_ojs_ml.spec.classes import band as band_of
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 #: Wire names of the counted resources, as matching's reasons spell them.
 RESOURCE_NAMES = {
@@ -43,9 +43,13 @@ class Demand:
 
     @classmethod
     def of(cls, req: MLRequirements) -> Demand:
-        """A request's footprint; attributes it leaves out count as 0 (see module doc)."""
+        """A request's footprint; attributes it leaves out count as 0 (see module doc).
+
+        A GPU share (`ojs_ml_gpu_share`) counts no whole GPU: its milli-GPU are
+        accounted per device (`allocator.sharing`).
+        """
         return cls(
-            req.ext_ml_gpu_count or 0,
+            0 if gpu_share(req) is not None else req.ext_ml_gpu_count or 0,
             req.ext_ml_cpu_cores or 0,
             req.ext_ml_memory_gb or 0,
             req.ext_ml_tpu_chip_count or 0,
@@ -135,11 +139,14 @@ class Allocation:
     band: str
     preemptible: bool
     started_at: float
+    gpu_milli: int = 0
+    """A GPU share's milli-GPU on its one device (`allocator.sharing`); 0: whole devices."""
 
     @property
     def demand(self) -> Demand:
-        """The counted resources this allocation holds."""
-        return Demand(len(self.devices), self.cpu_cores, self.memory_gb, self.tpu_chips)
+        """The counted resources this allocation holds (a share holds no whole GPU)."""
+        gpus = 0 if self.gpu_milli else len(self.devices)
+        return Demand(gpus, self.cpu_cores, self.memory_gb, self.tpu_chips)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON form for `inspect stats`, Flower and `celery ojs-ml status`."""
@@ -152,6 +159,7 @@ class Allocation:
             "band": self.band,
             "preemptible": self.preemptible,
             "started_at": self.started_at,
+            **({"gpu_milli": self.gpu_milli} if self.gpu_milli else {}),
         }
 
 

@@ -20,6 +20,7 @@ from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.cli import sched
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.matching.filters import FreeCapacity, fmt
+from celery_ojs_ml.spec.resources import is_requirement_key
 
 if TYPE_CHECKING:  # the offline verbs share this package and should not pay for importing Celery
     from celery_ojs_ml.integration.plugin import OJSML
@@ -197,7 +198,7 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
                             continue
                         if headers.get("id") != task_id:
                             continue
-                        attrs = {k: v for k, v in headers.items() if k.startswith("ext_ml_")}
+                        attrs = {k: v for k, v in headers.items() if is_requirement_key(k)}
                         req = normalize(attrs).requirements
                         live = plugin.store.live_workers()
                         workers, free = live_fleet(plugin, live)

@@ -29,6 +29,7 @@ import os
 from typing import Any
 
 from celery_ojs_ml.integration.gangs import restore_env, set_env
+from celery_ojs_ml.integration.sharing import restore_share_env, set_share_env
 from celery_ojs_ml.integration.warm_pool import take_move
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ def pin_devices(task: Any = None, **_: Any) -> None:
     request = getattr(task, "request", None)
     if request is not None:
         set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
+        set_share_env(request)  # a GPU share's MPS memory limit (integration.sharing)
         take_move(request)  # warm children: the job was moved onto this child's devices
     devices = getattr(request, "ojs_devices", None)
     if request is None or devices is None or not getattr(request, "ojs_pin", False):
@@ -218,6 +220,7 @@ def unpin_devices(task: Any = None, **_: Any) -> None:
     request = getattr(task, "request", None)
     if request is not None:
         restore_env(request)
+        restore_share_env(request)
     if request is None or not hasattr(request, "ojs_saved_cvd"):
         return
     saved = request.ojs_saved_cvd

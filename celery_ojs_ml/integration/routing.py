@@ -29,7 +29,7 @@ from celery_ojs_ml.spec.classes import (
     has_hard_constraints,
 )
 from celery_ojs_ml.spec.envelope import requirements_of
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
 
 if TYPE_CHECKING:
     from celery_ojs_ml.integration.plugin import OJSML
@@ -80,7 +80,8 @@ def queue_name(logical: str, cid: str, band_name: str) -> str:
 
 
 def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The task's `ml=` option overlaid with per-call `ext_ml_*`/`ext_mlx_*` headers.
+    """The task's `ml=` option overlaid with per-call `ext_ml_*`/`ext_mlx_*`/`ojs_ml_gpu_share`
+    headers.
 
     Raises SpecError naming `ml` when the task option is not a mapping; header
     keys that are not strings are not ML attributes (they pass through).
@@ -103,7 +104,8 @@ def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, An
 
 
 def _is_ml(key: Any) -> bool:
-    return isinstance(key, str) and key.startswith("ext_ml")
+    """`ext_ml_*`, `ext_mlx_*` and this project's requirement keys (`ojs_ml_gpu_share`)."""
+    return isinstance(key, str) and (key.startswith("ext_ml") or key in PROJECT_KEYS)
 
 
 @dataclass(frozen=True, slots=True)

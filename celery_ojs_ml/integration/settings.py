@@ -72,6 +72,9 @@ class OJSMLSettings(BaseModel):
     """Jobs the scheduler may deliver to a worker ahead of free capacity, to wait at its gate
     and start the moment a job there ends (0: off). They are the jobs first in fleet order
     that hold a reservation on that worker."""
+    gpu_sharing: Literal["off", "vram"] = "off"
+    """"vram": jobs that opt in with `ojs_ml_gpu_share` share this worker's GPUs, each
+    taking milli-GPU of one device by VRAM or fraction (docs/sharing.md); "off": whole GPUs."""
     reservation_depth: int = Field(default=1, ge=1, le=1000)
     """How many blocked jobs, first in fleet order, hold a reservation (backfill guard)."""
     min_runtime_before_preemption_s: float = Field(default=60.0, ge=0)

@@ -59,6 +59,7 @@ from celery_ojs_ml.integration.routing import (
 )
 from celery_ojs_ml.integration.scheduler_process import start_candidate
 from celery_ojs_ml.integration.scheduling import HEADER_PREFETCH, send_wake, worker_queue_name
+from celery_ojs_ml.integration.sharing import HEADER_SHARE, share_info
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.integration.warm_pool import pool_pids
 from celery_ojs_ml.lru import LRU
@@ -219,7 +220,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.prefork = is_prefork(getattr(c, "pool", None))
         self._check_pool()
         self.allocator = Allocator(
-            self.caps, allow_on_demand_preemption=self.settings.allow_on_demand_preemption
+            self.caps,
+            allow_on_demand_preemption=self.settings.allow_on_demand_preemption,
+            gpu_sharing=self.settings.gpu_sharing != "off",
         )
         self.preemptions = Preemptions(self)
         self.hold_until: dict[Any, float] = {}
@@ -762,6 +765,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             return None
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         req.request_dict["ojs_devices"] = list(alloc.devices)
+        if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
+            req.request_dict[HEADER_SHARE] = share_info(
+                alloc, self.admission.parse(req.request_dict), self.caps
+            )
         self.devices_by_id[req.id] = tuple(alloc.devices)
         self._requests[req.id] = req
         req.request_dict["ojs_node"] = self.hostname
@@ -882,6 +889,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             "incarnation": self.incarnation,
             "devices": list(alloc.devices),
             "started_at": started_at,
+            **({"gpu_milli": alloc.gpu_milli} if alloc.gpu_milli else {}),
         }
 
     def _take_lease(self, req: Any, alloc: Allocation) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.spec.catalogue import cc_tuple
-from celery_ojs_ml.spec.resources import AffinityRule, MLRequirements
+from celery_ojs_ml.spec.resources import AffinityRule, MLRequirements, gpu_share
 
 
 class Verdict(Enum):
@@ -154,7 +154,10 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             g.interconnect,
             "gpu_interconnect {a} != {r}",
         )
-    yield from _counted("gpu_count", count, w.gpu_count, free.gpus if free else None)
+    # A share (`ojs_ml_gpu_share`) needs milli-GPU on one device, not a whole free GPU:
+    # the allocator and the scheduler's fit check judge that per device.
+    shared = gpu_share(req) is not None
+    yield from _counted("gpu_count", count, w.gpu_count, free.gpus if free and not shared else None)
 
 
 def tpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iterator[Reason]:

@@ -2,9 +2,9 @@
 
 Key decision: only hard constraints enter the class (OJS ML §11: GPU type,
 count, VRAM, compute capability, TPU, node selector, required affinity, plus
-host minimums, multi-GPU interconnect, pinned model version and reservation),
-so jobs that any worker would treat identically share one queue. Soft
-constraints (preferred affinity, model locality) never split a class.
+host minimums, multi-GPU interconnect, pinned model version, reservation and
+a GPU share `ojs_ml_gpu_share`), so jobs that any worker would treat identically
+share one queue. Soft constraints (preferred affinity, model locality) never split a class.
 """
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ _SCALARS = (
     "ext_ml_shm_size_gb",
     "ext_ml_cpu_cores",
     "ext_ml_reservation_id",
+    "ojs_ml_gpu_share",
 )
 
 
 def hard_constraints(m: MLRequirements) -> dict[str, Any]:
     """The canonical hard constraints of a job, JSON-able and order-free."""
     out: dict[str, Any] = {k: getattr(m, k) for k in _SCALARS if getattr(m, k) is not None}
+    if m.ojs_ml_gpu_share is False:  # `false` is the default (whole GPUs)
+        del out["ojs_ml_gpu_share"]
     if m.ext_ml_accelerator in ("gpu", "tpu", "fpga"):
         out["ext_ml_accelerator"] = m.ext_ml_accelerator
     if (m.ext_ml_gpu_count or 0) > 1 and m.ext_ml_gpu_interconnect == "nvlink":

@@ -17,7 +17,8 @@ from celery_ojs_ml.spec import legacy
 from celery_ojs_ml.spec.mlx import validate_mlx
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds, normalize
 from celery_ojs_ml.spec.policy import QueuePolicy, apply_defaults, limit_violations
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share, is_requirement_key
+from celery_ojs_ml.spec.sharing import share_vs_mlx
 
 
 @dataclass(slots=True)
@@ -55,15 +56,14 @@ _ID = "019502a4-0001-7abc-8000-000000000001"
 
 
 def split_attrs(doc: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The `ext_ml_*` and `ext_mlx_*` keys of a mapping."""
+    """The requirement keys (`ext_ml_*`, `PROJECT_KEYS`) and `ext_mlx_*` keys of a mapping."""
     ml: dict[str, Any] = {}
     mlx: dict[str, Any] = {}
     for key, value in doc.items():
-        if isinstance(key, str) and key.startswith("ext_ml"):  # YAML allows non-string keys
-            if key.startswith("ext_mlx_"):
-                mlx[key] = value
-            elif key.startswith("ext_ml_"):
-                ml[key] = value
+        if isinstance(key, str) and key.startswith("ext_mlx_"):  # YAML allows non-string keys
+            mlx[key] = value
+        elif is_requirement_key(key):
+            ml[key] = value
     return ml, mlx
 
 
@@ -87,6 +87,8 @@ def requirements_of(
     if req is not None and queue is not None:
         violations += limit_violations(req, queue, policy)
     mlx = _mlx(mlx_attrs, options.bounds, violations, warnings)
+    if req is not None and gpu_share(req) is not None:
+        violations += share_vs_mlx(mlx)
     if violations:
         raise SpecError(violations)
     assert req is not None

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StringConstraints,
+)
 
 Accelerator = Literal["gpu", "tpu", "fpga", "cpu"]
 Interconnect = Literal["nvlink", "pcie", "any"]
@@ -42,6 +50,18 @@ Text = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=512)]
 StrictNonNegInt = Annotated[int, Strict(), Field(ge=0)]
 PositiveInt = Annotated[int, Strict(), Field(ge=1)]
 GigaBytes = Annotated[float, Strict(), Field(ge=0)]
+
+
+def _gpu_share(value: Any) -> Any:
+    """`ojs_ml_gpu_share`: a bool, or a number in (0, 1); one message for every bad value."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float) and 0 < value < 1:
+        return float(value)
+    raise ValueError(f"must be true (share by VRAM) or a fraction in (0, 1), got {value!r:.40}")
+
+
+GpuShare = Annotated[StrictBool | float, BeforeValidator(_gpu_share)]
 
 
 class _Base(BaseModel):
@@ -168,6 +188,10 @@ class MLRequirements(_Base):
     """Checkpoint prefix: s3/gs/az/file scheme, trailing slash (§9.4, §15.3)."""
     ext_ml_checkpoint_max_count: PositiveInt | None = None
     """Checkpoints kept, FIFO eviction; default 3 (§9.1)."""
+    ojs_ml_gpu_share: GpuShare | None = None
+    """celery-ojs-ml extension (docs/sharing.md), not an OJS ML attribute: run on a share
+    of one GPU. `true`: `ext_ml_gpu_memory_gb` of VRAM; a number in (0, 1): that
+    fraction of one device. Default: whole GPUs."""
 
     def flat(self) -> dict[str, Any]:
         """The set attributes as a JSON-able dict of wire names (unknown keys included)."""
@@ -175,3 +199,17 @@ class MLRequirements(_Base):
 
 
 KNOWN_KEYS: frozenset[str] = frozenset(MLRequirements.model_fields)
+
+PROJECT_KEYS: frozenset[str] = frozenset({"ojs_ml_gpu_share"})
+"""Requirement keys of this project's own namespace, carried like `ext_ml_*` keys."""
+
+
+def is_requirement_key(key: object) -> bool:
+    """Whether a document or header key is a requirement: `ext_ml_*` or a `PROJECT_KEYS` one."""
+    return isinstance(key, str) and (key.startswith("ext_ml_") or key in PROJECT_KEYS)
+
+
+def gpu_share(m: MLRequirements) -> bool | float | None:
+    """The job's GPU share: True (by VRAM), a fraction, or None (whole GPUs; `false` too)."""
+    share = m.ojs_ml_gpu_share
+    return None if share is False else share

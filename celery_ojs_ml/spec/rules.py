@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from celery_ojs_ml.errors import Violation
-from celery_ojs_ml.spec import uris
+from celery_ojs_ml.spec import sharing, uris
 from celery_ojs_ml.spec.catalogue import (
     PRECISION_MIN_CC,
     PRIORITY_CLASSES,
@@ -20,7 +20,13 @@ from celery_ojs_ml.spec.catalogue import (
     gpu_model,
     priority_rank,
 )
-from celery_ojs_ml.spec.resources import AffinityRule, AffinitySpec, MLRequirements
+from celery_ojs_ml.spec.resources import (
+    PROJECT_KEYS,
+    AffinityRule,
+    AffinitySpec,
+    MLRequirements,
+    gpu_share,
+)
 
 if TYPE_CHECKING:
     from celery_ojs_ml.spec.normalize import Bounds
@@ -82,6 +88,7 @@ EXAMPLES: dict[str, str] = {
     "ext_ml_checkpoint_storage_uri": '"ext_ml_checkpoint_storage_uri": "s3://bucket/checkpoints/"',
     "ext_ml_checkpoint_interval_s": '"ext_ml_checkpoint_interval_s": 300',
     "ext_ml_checkpoint_max_count": '"ext_ml_checkpoint_max_count": 3',
+    "ojs_ml_gpu_share": sharing.EXAMPLE + ' (or a fraction, "ojs_ml_gpu_share": 0.25)',
 }
 
 _GPU_DETAIL = ("ext_ml_gpu_type", "ext_ml_gpu_memory_gb", "ext_ml_gpu_compute_capability")
@@ -102,6 +109,8 @@ _VALUELESS_OPS = frozenset({"Exists", "DoesNotExist"})
 
 def section_of(attribute: str) -> str:
     """The spec section that defines an `ext_ml_*` attribute, e.g. `OJS ML §3.2`."""
+    if attribute in PROJECT_KEYS:
+        return sharing.SECTION
     name = attribute.removeprefix("ext_ml_")
     best = max((k for k in _SECTIONS if name.startswith(k)), key=len, default="")
     return f"OJS ML {_SECTIONS[best]}" if best else "OJS ML §3"
@@ -126,7 +135,7 @@ def wants_gpu(m: MLRequirements) -> bool:
     """Whether the job asks for GPUs, explicitly or through GPU attributes (§3.1)."""
     if m.ext_ml_gpu_count is not None:
         return m.ext_ml_gpu_count > 0
-    if m.ext_ml_accelerator == "gpu":
+    if m.ext_ml_accelerator == "gpu" or gpu_share(m) is not None:
         return True
     return any(getattr(m, k) is not None for k in (*_GPU_DETAIL, "ext_ml_gpu_interconnect"))
 
@@ -438,6 +447,7 @@ CHECKS: tuple[Callable[[MLRequirements, Bounds], Iterator[Violation]], ...] = (
     _model_allow_list,
     _escalation,
     _labels,
+    sharing.share_checks,
 )
 
 
@@ -455,6 +465,8 @@ def infer(m: MLRequirements) -> MLRequirements:
     _infer_accelerator(m, updates)
     _infer_priority(m, updates)
     _infer_checkpoint(m, updates)
+    if m.ojs_ml_gpu_share is False:
+        updates["ojs_ml_gpu_share"] = None  # `false` is the default: whole GPUs
     return m.model_copy(update=updates) if updates else m
 
 

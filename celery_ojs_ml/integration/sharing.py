@@ -1,0 +1,108 @@
+"""GPU sharing in the worker: the share a task runs on, and the limits a child can apply.
+
+Responsibility: turn a share allocation (`allocator.sharing`) into what the task
+sees (`self.request.ojs_gpu_share`), and apply the limits that exist beyond the
+allocator's accounting: the MPS per-client memory limit when an MPS daemon runs,
+and torch's caching-allocator cap when the task asks for it (`limit_torch_memory`).
+
+Key decision: the allocator's accounting is the guarantee the scheduler and the
+gate keep (the sum of shares on a device never passes its VRAM); enforcement
+inside the device is best effort and opt-in, because CUDA has no per-process
+VRAM limit without MPS. Both limits apply to the child's CUDA context, so they
+are set before the task body runs; the device index is 0 because the child sees
+only its one device (`CUDA_VISIBLE_DEVICES`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery_ojs_ml.allocator import Allocation
+from celery_ojs_ml.allocator.sharing import FULL
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.spec.resources import MLRequirements
+
+log = logging.getLogger(__name__)
+
+HEADER_SHARE = "ojs_gpu_share"
+"""Request field of a share task: {"device", "milli", "memory_gb"} (`share_info`)."""
+MPS_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+
+def share_info(alloc: Allocation, req: MLRequirements, caps: Capabilities) -> dict[str, Any]:
+    """What a share task is told: its device, milli-GPU, and VRAM in GB when known.
+
+    `memory_gb` is the job's own `ext_ml_gpu_memory_gb` for a VRAM share, else
+    the fraction of the device's VRAM (None when the worker does not know it).
+    """
+    device_gb = caps.gpu.memory_gb if caps.gpu else None
+    if req.ojs_ml_gpu_share is True:
+        memory_gb = req.ext_ml_gpu_memory_gb
+    else:
+        memory_gb = None if not device_gb else round(device_gb * alloc.gpu_milli / FULL, 3)
+    return {"device": alloc.devices[0], "milli": alloc.gpu_milli, "memory_gb": memory_gb}
+
+
+def share_of(task: Any) -> dict[str, Any] | None:
+    """The running task's share (`share_info`), or None for a whole-GPU or plain task."""
+    found = getattr(getattr(task, "request", None), HEADER_SHARE, None)
+    return found if isinstance(found, dict) else None
+
+
+def mps_running() -> bool:
+    """Whether this process talks to an MPS daemon (its pipe directory is set)."""
+    return bool(os.environ.get(MPS_PIPE))
+
+
+def mps_limit(share: dict[str, Any]) -> str | None:
+    """`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` for a share: `0=<MiB>M` (device 0 in the child)."""
+    gb = share.get("memory_gb")
+    if not isinstance(gb, int | float) or gb <= 0:
+        return None
+    return f"0={int(gb * 1024)}M"
+
+
+def set_share_env(request: Any) -> None:
+    """`task_prerun`: under MPS, cap the child's device memory at the share's VRAM."""
+    share = getattr(request, HEADER_SHARE, None)
+    if not isinstance(share, dict) or not mps_running():
+        return
+    limit = mps_limit(share)
+    if limit is not None:
+        request.ojs_saved_mps = os.environ.get(MPS_LIMIT)
+        os.environ[MPS_LIMIT] = limit
+
+
+def restore_share_env(request: Any) -> None:
+    """`task_postrun`: put the MPS limit back as it was before the task."""
+    if not hasattr(request, "ojs_saved_mps"):
+        return
+    saved = request.ojs_saved_mps
+    if saved is None:
+        os.environ.pop(MPS_LIMIT, None)
+    else:
+        os.environ[MPS_LIMIT] = saved
+
+
+def limit_torch_memory(task: Any) -> bool:
+    """Cap torch's CUDA allocator at the task's share of its device; True if capped.
+
+    Calls `torch.cuda.set_per_process_memory_fraction(milli / 1000, device=0)`.
+    A no-op (False) for a task that does not share a GPU, or where torch or
+    CUDA is not available. Call it at the top of the task body, before
+    allocating tensors; torch then raises OutOfMemoryError past the share.
+    """
+    share = share_of(task)
+    if share is None:
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.set_per_process_memory_fraction(int(share["milli"]) / FULL, device=0)
+    return True
