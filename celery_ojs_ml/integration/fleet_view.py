@@ -15,11 +15,12 @@ assignment that no longer fits is given back with a reason.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.allocator.sharing import FULL, after, place, share_milli, untouched
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.lru import LRU
@@ -88,6 +89,8 @@ class _Settled:
     """When the scheduler last saw it still assigned (its heartbeat must be newer)."""
     labels: Mapping[str, str] = field(default_factory=dict)
     """The job's own labels (§7.3): other jobs' anti-affinity sees them before it runs."""
+    share: MLRequirements | None = None
+    """A GPU share's requirements: its milli-GPU are taken off the worker's devices."""
 
 
 class Ledger:
@@ -95,6 +98,8 @@ class Ledger:
 
     def __init__(self) -> None:
         self.entries: dict[str, _Settled] = {}
+        self.counted: set[str] = set()
+        """Entries the last `used` counted (their capacity is not in a heartbeat yet)."""
 
     def assigned(
         self,
@@ -103,9 +108,19 @@ class Ledger:
         demand: Demand,
         now: float,
         labels: Mapping[str, str] | None = None,
+        share: MLRequirements | None = None,
     ) -> None:
-        """The scheduler just assigned `task_id` to `worker`."""
-        self.entries[task_id] = _Settled(worker, demand, now, dict(labels or {}))
+        """The scheduler just assigned `task_id` to `worker` (`share`: a GPU share job)."""
+        self.entries[task_id] = _Settled(worker, demand, now, dict(labels or {}), share)
+
+    def shares(self) -> dict[str, list[MLRequirements]]:
+        """Each worker's in-flight GPU shares that its heartbeat does not show (after `used`)."""
+        out: dict[str, list[MLRequirements]] = {}
+        for task_id in self.counted:
+            entry = self.entries.get(task_id)
+            if entry is not None and entry.share is not None:
+                out.setdefault(entry.worker, []).append(entry.share)
+        return out
 
     def labels(self) -> dict[str, list[Mapping[str, str]]]:
         """Each worker's in-flight jobs' labels (call after `used`, which prunes)."""
@@ -129,6 +144,7 @@ class Ledger:
         was seen assigned, and never once the worker reports it allocated.
         """
         used: dict[str, Demand] = {}
+        self.counted = set()
         for task_id in list(self.entries):
             entry = self.entries[task_id]
             record = records.get(task_id)
@@ -144,6 +160,7 @@ class Ledger:
                 continue
             if shown:
                 continue
+            self.counted.add(task_id)
             used[entry.worker] = used.get(entry.worker, Demand()).plus(entry.demand)
         return used
 
@@ -156,10 +173,12 @@ def worker_states(
     caps_memo: LRU[str, Capabilities],
     checkpoints: Mapping[str, float] | None = None,
     inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
+    inflight_shares: Mapping[str, list[MLRequirements]] | None = None,
 ) -> list[WorkerState]:
     """Every live worker with its free capacity (less the ledger) and its running jobs.
 
-    `checkpoints` maps a running job to when its last checkpoint was committed.
+    `checkpoints` maps a running job to when its last checkpoint was committed;
+    `inflight_shares` are GPU shares assigned since a worker's last heartbeat.
     """
     running: dict[str, list[RunningJob]] = {}
     for lease in leases:
@@ -174,8 +193,10 @@ def worker_states(
             caps = caps_memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
         counts = (entry.get("free") or {}).get("free") or {}
         take = used.get(name, Demand())
+        milli = gpu_free_milli(entry, take.gpus, caps, (inflight_shares or {}).get(name, ()))
+        gpus = max(0, int(counts.get("gpu_count") or 0) - take.gpus)
         free = FreeCapacity(
-            gpus=max(0, int(counts.get("gpu_count") or 0) - take.gpus),
+            gpus=gpus if milli is None else min(gpus, len(untouched(milli))),
             cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
             memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
             tpu_chips=(counts.get("tpu_chip_count") or None),
@@ -192,9 +213,32 @@ def worker_states(
                 free,
                 frozenset(queues) if queues else frozenset({"celery"}),
                 tuple(running.get(name, ())),
+                gpu_free_milli=milli,
             )
         )
     return states
+
+
+def gpu_free_milli(
+    entry: Mapping[str, Any], whole: int, caps: Capabilities, shares: Sequence[MLRequirements]
+) -> tuple[int, ...] | None:
+    """A sharing worker's reported milli-GPU per device, less what was assigned since.
+
+    In-flight jobs are placed as the gate would (`allocator.sharing.place`): `whole`
+    GPUs on untouched devices, each share by best fit; one that no longer fits is
+    left to the gate, which gives it back. None when the worker does not share.
+    """
+    found = (entry.get("free") or {}).get("gpu_free_milli")
+    if not isinstance(found, list) or len(found) != caps.gpu_count:
+        return None
+    free = tuple(int(m) for m in found)
+    asks = [(whole, FULL)] if whole > 0 else []
+    asks += [(1, m) for m in (share_milli(r, caps) for r in shares) if m is not None]
+    for count, milli in asks:
+        devices = place(free, count, milli)
+        if devices is not None:
+            free = after(free, devices, milli)
+    return free
 
 
 def allocated_ids(live: Mapping[str, Mapping[str, Any]]) -> dict[str, frozenset[str]]:
@@ -214,8 +258,11 @@ def _running(
     req = parse(headers)
     if req is None:
         return None
+    milli = lease.get("gpu_milli")
+    share = isinstance(milli, int) and milli > 0
     extra: dict[str, Any] = {
-        "gpus": len(lease.get("devices") or []),
+        "gpus": 0 if share else len(lease.get("devices") or []),
+        "gpu_milli": milli if share else 0,
         "labels": job_labels(lease.get("name"), headers),
     }
     queue = headers.get("ojs_logical_queue")

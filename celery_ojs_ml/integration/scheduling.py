@@ -58,7 +58,7 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 log = logging.getLogger(__name__)
 
@@ -371,6 +371,7 @@ class FleetScheduler:
             self.caps,
             self._checkpoints(leases),
             self.ledger.labels(),
+            self.ledger.shares(),
         )
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
@@ -523,7 +524,8 @@ class FleetScheduler:
             self._prefetched[task_id] = worker
         from celery_ojs_ml.allocator.model import Demand
 
-        self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels)
+        share = job.req if gpu_share(job.req) is not None else None
+        self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels, share)
         if job.queue in self._budgeted:
             gpus = int(job.req.ext_ml_gpu_count or 0)
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)

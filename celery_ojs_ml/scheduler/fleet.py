@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
@@ -32,6 +33,7 @@ from celery_ojs_ml.scheduler.vectors import (
     to_free,
     totals_of,
 )
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 _MEMO_MAX = 50_000
 
@@ -205,6 +207,8 @@ class FleetView:
     def _fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
         if not covers(shape[0], ask.want) or (ask.dedicated and not shape[2]):
             return False
+        if gpu_share(ask.job.req) is not None and not share_fits(ask.job.req, group.caps, shape[3]):
+            return False
         return self.verdict(ask.job, group, shape).verdict is Verdict.FITS
 
     def may_backfill(self, ask: Ask, slot: Slot) -> bool:
@@ -213,8 +217,18 @@ class FleetView:
         return covers(slot.timeline().lowest_between(self.now, ask.end), want)
 
     def taken(self, ask: Ask, slot: Slot) -> Vec:
-        """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`."""
-        return finite(slot.free) if ask.dedicated else ask.want
+        """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`.
+
+        A share that would open an untouched device takes that GPU from whole jobs.
+        """
+        if ask.dedicated:
+            return finite(slot.free)
+        milli = share_milli(ask.job.req, self.groups[slot.group].caps)
+        if milli is not None and slot.gpu_free is not None:
+            device = pick_share(slot.gpu_free, milli)
+            if device is not None and slot.gpu_free[device] >= FULL:
+                return plus(ask.want, (1.0, 0.0, 0.0, 0.0))
+        return ask.want
 
     def need(self, ask: Ask, slot: Slot) -> Vec:
         """What the job needs of `slot` in all: its footprint, or the whole worker."""
@@ -223,7 +237,10 @@ class FleetView:
     def assign(self, ask: Ask, slot: Slot) -> None:
         """Start the job on `slot` now and re-bucket the slot."""
         self._unbucket(slot)
-        slot.take(self.taken(ask, slot), ask.end, ask.job.labels, whole=ask.dedicated)
+        taken = self.taken(ask, slot)
+        milli = share_milli(ask.job.req, self.groups[slot.group].caps)
+        slot.take_devices(int(taken[0]) if milli is None else 0, milli)
+        slot.take(taken, ask.end, ask.job.labels, whole=ask.dedicated)
         self._rebucket(slot)
 
     def claim(self, ask: Ask, slot: Slot, freed: Vec) -> bool:
@@ -236,8 +253,8 @@ class FleetView:
         would not fit or would break a reservation.
         """
         want = self.need(ask, slot)
-        if not covers(plus(slot.free, freed), want):
-            return False
+        if gpu_share(ask.job.req) is not None or not covers(plus(slot.free, freed), want):
+            return False  # a share never preempts: it waits for milli-GPU to free
         share = lowest(slot.free, clip(minus(want, freed)))
         start = self.now + self.policy.preemption_grace_s
         limit = ask.job.time_limit_s
@@ -279,3 +296,10 @@ class FleetView:
             group.reserved[slot.idx] = None
         else:
             group.buckets.setdefault(slot.shape(), {})[slot.idx] = None
+
+
+def share_fits(req: MLRequirements, caps: Capabilities, free: tuple[int, ...] | None) -> bool:
+    """Whether a share job fits a device now: sharing on (`free` reported), its milli-GPU
+    known there (a VRAM share needs `gpu.memory_gb`) and some device with that much left."""
+    milli = share_milli(req, caps)
+    return free is not None and milli is not None and pick_share(free, milli) is not None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from celery_ojs_ml.allocator.model import Demand, preemptible_of
+from celery_ojs_ml.allocator.sharing import FULL
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.scheduler.budget import Budget
@@ -103,6 +104,8 @@ class RunningJob:
     """Its logical queue: what it holds counts against that queue's budget (§10.3)."""
     reservation: str | None = None
     """The reservation it runs inside (`ext_ml_reservation_id`, §8.3), if any."""
+    gpu_milli: int = 0
+    """A GPU share's milli-GPU on its one device (`allocator.sharing`); 0: whole GPUs."""
 
     @classmethod
     def of(cls, task_id: str, req: MLRequirements, started_at: float, **kw: Any) -> RunningJob:
@@ -145,6 +148,9 @@ class WorkerState:
     running: tuple[RunningJob, ...] = ()
     available: bool = True
     """False while the worker is briefly away: it counts for DENY, never for placement."""
+    gpu_free_milli: tuple[int, ...] | None = None
+    """Milli-GPU left on each device (`allocator.sharing`, 0: held whole), as the worker
+    reports it with `ojs_ml_gpu_sharing` on; None: sharing off (no share job fits)."""
 
     @classmethod
     def of(
@@ -155,20 +161,27 @@ class WorkerState:
         *,
         queues: frozenset[str] = frozenset({DEFAULT_QUEUE}),
         available: bool = True,
+        gpu_free_milli: tuple[int, ...] | None = None,
     ) -> WorkerState:
-        """A worker whose free capacity is its totals less its running jobs (no host reserve)."""
+        """A worker whose free capacity is its totals less its running jobs (no host reserve).
+
+        With `gpu_free_milli` (sharing on), only untouched devices count as free GPUs.
+        """
         used = Demand.total(r.demand for r in running)
         if any(r.exclusive for r in running):
             used = Demand.capacity(caps, 0, 0)
         free = Demand.capacity(caps, 0, 0).minus(used)
+        gpus = free.gpus
+        if gpu_free_milli is not None:
+            gpus = min(gpus, sum(1 for m in gpu_free_milli if m >= FULL))
         view = FreeCapacity(
-            gpus=free.gpus,
+            gpus=gpus,
             cpu_cores=free.cpu_cores,
             memory_gb=free.memory_gb,
             tpu_chips=free.tpu_chips if caps.tpu else None,
             running_labels=tuple(r.labels for r in running if r.labels),
         )
-        return cls(name, caps, view, queues, tuple(running), available)
+        return cls(name, caps, view, queues, tuple(running), available, gpu_free_milli)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from celery_ojs_ml.allocator.sharing import FULL, after, place
 from celery_ojs_ml.scheduler.model import Policy, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.timeline import Timeline
 from celery_ojs_ml.scheduler.vectors import (
@@ -27,8 +28,9 @@ from celery_ojs_ml.scheduler.vectors import (
 
 HoldKind = Literal["reserve", "preempt", "shadow"]
 LabelKey = tuple[tuple[str, str], ...]
-Shape = tuple[Vec, tuple[LabelKey, ...], bool]
-"""What decides a match on a worker besides its capabilities: free vector, running labels, idle."""
+Shape = tuple[Vec, tuple[LabelKey, ...], bool, tuple[int, ...] | None]
+"""What decides a match on a worker besides its capabilities: free vector, running labels,
+idle, and milli-GPU left per device (None: sharing off)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class Slot:
         "capacity",
         "exclusive",
         "free",
+        "gpu_free",
         "grace_s",
         "group",
         "holds",
@@ -92,6 +95,7 @@ class Slot:
         self.grace_s = policy.preemption_grace_s
         self.group = -1
         self.free = from_free(state.free)
+        self.gpu_free = state.gpu_free_milli
         self.labels: list[Mapping[str, str]] = list(state.free.running_labels)
         self.added_labels: list[Mapping[str, str]] = []
         self.idle = not state.running
@@ -135,7 +139,8 @@ class Slot:
     def shape(self) -> Shape:
         """The equivalence key of this worker's free state (see `Shape`)."""
         if self._shape is None:
-            self._shape = (self.free, tuple(label_key(x) for x in self.labels), self.idle)
+            labels = tuple(label_key(x) for x in self.labels)
+            self._shape = (self.free, labels, self.idle, self.gpu_free)
         return self._shape
 
     def take(
@@ -150,6 +155,20 @@ class Slot:
         self.idle = False
         self.assigned.append((amount, end))
         self._changed()
+
+    def take_devices(self, gpus: int, milli: int | None) -> bool:
+        """Account a job on the per-device milli (sharing on): a share of `milli`, else
+        `gpus` whole devices. True when a share opened an untouched device."""
+        if self.gpu_free is None or (milli is None and gpus <= 0):
+            return False
+        free = self.gpu_free
+        count, amount = (1, milli) if milli is not None else (gpus, FULL)
+        devices = place(free, count, amount)
+        if devices is None:
+            return False
+        self.gpu_free = after(free, devices, amount)
+        self._changed()
+        return milli is not None and free[devices[0]] >= FULL
 
     def hold(self, hold: Hold) -> None:
         """Add a reservation, a preemption's claim or a start estimate."""

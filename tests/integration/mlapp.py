@@ -130,6 +130,29 @@ def _define_tasks(app: Celery, results_url: str) -> None:
         return entry
 
     _define_training_tasks(app, results_url)
+    _define_share_tasks(app, results_url)
+
+
+def _define_share_tasks(app: Celery, results_url: str) -> None:
+    share_ml = {"ojs_ml_gpu_share": True, "ext_ml_gpu_memory_gb": 30}
+
+    @app.task(bind=True, name="ml.share", shared=False, ml=share_ml)
+    def share(self: Any, tag: str, sleep_s: float = 0.0) -> dict[str, Any]:
+        start = time.time()
+        time.sleep(sleep_s)
+        entry = {
+            "tag": tag,
+            "task_id": self.request.id,
+            "worker": getattr(self.request, "ojs_node", None),
+            "devices": list(getattr(self.request, "ojs_devices", None) or []),
+            "share": getattr(self.request, "ojs_gpu_share", None),
+            "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "mps_limit": os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"),
+            "start": start,
+            "end": time.time(),
+        }
+        _record(results_url, entry)
+        return entry
 
 
 def _define_training_tasks(app: Celery, results_url: str) -> None:
