@@ -28,6 +28,7 @@ from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fair import fair_order, held_gpus
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
+from celery_ojs_ml.scheduler.frag import kind_of
 from celery_ojs_ml.scheduler.gang import place_gangs
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
@@ -141,7 +142,8 @@ class Planner:
         held = [(r.queue, r.gpus) for w in fleet for r in w.running]
         self.budgets = BudgetBook(dict(policy.budgets), [*held, *inflight])
         largest = max((w.caps.gpu_count for w in fleet), default=0)
-        workload = Workload.of((j.req.ext_ml_gpu_count or 0 for j in pending), largest)
+        sizes = {w.caps.gpu_count for w in fleet}
+        workload = Workload.of_kinds(map(kind_of, pending), largest, sizes)
         exact = any(names_worker(j.req) for j in pending)
         self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
         self.estimator = Estimator(self.view)

@@ -165,6 +165,7 @@ class FleetView:
             running = tuple(dict(k) for k in shape[1])
             weight = self.policy.locality_weight
             soft = soft_score(job.req, group.caps, locality_weight=weight, running=running)
+            milli = share_milli(job.req, group.caps)
             hit = self._scores[key] = placement(
                 ask.want,
                 shape[0],
@@ -173,6 +174,9 @@ class FleetView:
                 self.workload,
                 job.gpu_affinity,
                 self.policy,
+                devices=shape[3],
+                milli=FULL if milli is None else milli,
+                model=(group.caps.gpu.type or "") if group.caps.gpu else "",
             )
         return hit
 

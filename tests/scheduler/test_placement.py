@@ -15,6 +15,8 @@ from celery_ojs_ml.scheduler.score import Workload
 from celery_ojs_ml.testing.builders import worker_with
 from tests.scheduler.helpers import NOW, decide, job, req, running, worker
 
+LATER = {"pool": "later"}
+
 
 def test_a_1_gpu_job_goes_to_the_1_gpu_worker_not_the_8_gpu_one() -> None:
     big, small = worker("w8", "nvidia-a100x8"), worker("w1", "nvidia-l4x1")
@@ -37,15 +39,26 @@ def test_best_fit_prefers_the_worker_left_with_fewest_free_gpus() -> None:
 
 
 def test_fragmentation_keeps_a_whole_4_gpu_worker_for_the_4_gpu_jobs_that_wait() -> None:
-    """FGD: 5 free GPUs on an 8-GPU worker are a fragment for 8-GPU jobs already."""
+    """FGD: 5 free GPUs on an 8-GPU worker are a fragment for 8-GPU jobs already.
+
+    The big jobs wait for workers labelled `pool=later` (none is live yet); they
+    count in the workload all the same (FGD's kinds ignore node selectors; a GPU
+    model they do not accept would make every free GPU here a fragment for them).
+    """
     fleet = [
         worker("x8", jobs=[running("a", gpu_count=3, limit=600)]),
         worker("y4", "nvidia-a100x4"),
     ]
     decision = decide(
         [job("one", at=1, gpu_count=1)]
-        + [job(f"four{i}", at=2 + i, gpu_count=4, gpu_type="nvidia-h100") for i in range(3)]
-        + [job(f"eight{i}", at=9 + i, gpu_count=8, gpu_type="nvidia-h100") for i in range(2)],
+        + [
+            job(f"four{i}", at=2 + i, gpu_count=4, node_selector={"pool": "later"})
+            for i in range(3)
+        ]
+        + [
+            job(f"eight{i}", at=9 + i, gpu_count=8, node_selector={"pool": "later"})
+            for i in range(2)
+        ],
         fleet,
     )
     assert decision.assigned() == {"one": "x8"}

@@ -1,0 +1,150 @@
+"""GPU fragmentation of a worker, per GPU, as FGD defines it (Weng et al., ATC'23).
+
+Key decisions:
+
+* **A fragment is capacity a typical job cannot use.** For one kind of job,
+  the fragment of a worker is the free milli-GPU it leaves unusable: all of it
+  when the kind cannot start there at all (too few GPUs with enough milli left,
+  too few CPU cores, a GPU model it does not accept, or no GPU asked: a
+  CPU-only job uses no GPU), else the milli left on the GPUs too full for one
+  of its GPUs. The worker's fragmentation is the expectation over the workload
+  (`Mix`: each kind with its share of jobs).
+* **Per GPU.** Free capacity is a vector of milli-GPU per device
+  (`allocator.sharing`), so a half-used GPU is a fragment for a whole-GPU job
+  and not for a small share. The scheduler scores a placement by how much it
+  grows fragmentation, on the devices the worker's allocator will give it
+  (`allocator.sharing.place`), so the score and the gate agree.
+
+Pure and cheap: plain tuples and ints; callers memoise by worker state.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from celery_ojs_ml.allocator.sharing import FULL, after, milli_of_fraction, milli_of_gb, place
+from celery_ojs_ml.scheduler.model import PendingJob
+from celery_ojs_ml.spec.resources import gpu_share
+
+PRIOR_WEIGHT = 0.1
+"""Share of the workload mix given to whole-worker jobs of the fleet's sizes (`with_sizes`)."""
+DEVICE_GB = 80.0
+"""VRAM assumed for a VRAM share in the workload mix, where no worker is named yet."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    """A kind of job in the workload: CPU, GPUs, milli per GPU, accepted GPU models."""
+
+    cpu: float = 0.0
+    gpus: int = 0
+    milli: int = FULL
+    models: frozenset[str] = frozenset()
+    """GPU models it accepts; empty accepts any."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Mix:
+    """The target workload: kinds and their shares of jobs, shares summing to 1.
+
+    Compared and hashed by identity, so a memo keyed on it stays cheap.
+    """
+
+    kinds: tuple[tuple[Kind, float], ...] = ()
+
+    @classmethod
+    def of(cls, kinds: Iterable[Kind], coverage: float = 0.95) -> Mix:
+        """The most common kinds that together make `coverage` of the jobs (FGD's typical jobs).
+
+        Most common first, ties by larger demand; shares renormalised to sum to 1.
+        """
+        counts = Counter(kinds)
+        total = sum(counts.values())
+        ranked = sorted(
+            counts.items(),
+            key=lambda kc: (-kc[1], -kc[0].cpu, -kc[0].milli, -kc[0].gpus, sorted(kc[0].models)),
+        )
+        kept: list[tuple[Kind, int]] = []
+        covered = 0
+        for kind, n in ranked:
+            if total and covered >= coverage * total:
+                break
+            kept.append((kind, n))
+            covered += n
+        return cls(tuple((k, n / covered) for k, n in kept) if covered else ())
+
+
+def with_sizes(mix: Mix, sizes: Iterable[int], weight: float = PRIOR_WEIGHT) -> Mix:
+    """`mix` plus whole-worker jobs of each fleet size that no kind in it asks for yet.
+
+    The jobs still to come are unknown; a worker-sized job is the one that a
+    fragmented fleet turns away, so a size the mix lacks gets `weight` / number
+    of sizes (all of it when the mix is empty). A size the mix has keeps its
+    own share: `bench/replay.py --mode fgd` measured that adding weight to
+    sizes the trace already holds allocates less.
+    """
+    whole = sorted({s for s in sizes if s > 0})
+    seen = {k.gpus for k, _ in mix.kinds if k.milli >= FULL}
+    missing = [s for s in whole if s not in seen]
+    if not missing:
+        return mix
+    extra = 1.0 if not mix.kinds else weight * len(missing) / len(whole)
+    kinds = [(k, share * (1 - extra)) for k, share in mix.kinds]
+    kinds += [(Kind(gpus=s), extra / len(missing)) for s in missing]
+    return Mix(tuple(kinds))
+
+
+def kind_of(job: PendingJob) -> Kind:
+    """A pending job's kind (a VRAM share counts at its milli on an 80 GB device)."""
+    req = job.req
+    share = gpu_share(req)
+    if share is None:
+        milli = FULL
+    elif share is True:
+        milli = milli_of_gb(req.ext_ml_gpu_memory_gb or DEVICE_GB, DEVICE_GB)
+    else:
+        milli = milli_of_fraction(share)
+    gpus = 1 if share is not None else req.ext_ml_gpu_count or 0
+    models = frozenset({req.ext_ml_gpu_type}) if req.ext_ml_gpu_type else frozenset()
+    return Kind(float(req.ext_ml_cpu_cores or 0), gpus, milli, models)
+
+
+def fragment(model: str, cpu_free: float, gpus: Sequence[int], kind: Kind) -> int:
+    """Milli-GPU of a worker in this state that a job of `kind` cannot use (module doc)."""
+    left = sum(gpus)
+    if kind.gpus <= 0 or (kind.models and model not in kind.models) or kind.cpu > cpu_free:
+        return left
+    usable = [g for g in gpus if g >= kind.milli]
+    if len(usable) < kind.gpus:
+        return left
+    return left - sum(usable)
+
+
+def fragmentation(model: str, cpu_free: float, gpus: Sequence[int], mix: Mix) -> float:
+    """The worker's expected fragment over the workload `mix`, milli-GPU (memoised)."""
+    return _fragmentation(model, cpu_free, tuple(sorted(gpus)), mix)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fragmentation(model: str, cpu_free: float, gpus: tuple[int, ...], mix: Mix) -> float:
+    return sum(share * fragment(model, cpu_free, gpus, kind) for kind, share in mix.kinds)
+
+
+def growth(
+    model: str, cpu_free: float, gpus: Sequence[int], want: Kind, mix: Mix
+) -> tuple[float, tuple[int, ...]] | None:
+    """How much placing `want` grows fragmentation, and the devices it takes; None if no fit.
+
+    The devices are the allocator's choice (`allocator.sharing.place`).
+    """
+    if want.cpu > cpu_free or (want.models and model not in want.models):
+        return None
+    devices = place(gpus, want.gpus, want.milli) if want.gpus else ()
+    if devices is None:
+        return None
+    rest = after(gpus, devices, want.milli)
+    now = fragmentation(model, cpu_free, gpus, mix)
+    return fragmentation(model, cpu_free - want.cpu, rest, mix) - now, devices
