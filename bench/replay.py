@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import replay_fgd  # noqa: E402
-from bench.trace import WORKLOADS, load_nodes, load_pods  # noqa: E402
+from bench import replay_fgd, replay_time
+from bench.trace import WORKLOADS, load_nodes, load_pods
 
 POLICIES = ("random", "bestfit", "ojs")
 PAPER = {  # hkust-adsl/kubernetes-scheduler-simulator, analysis_allo_discrete.csv, 10 seeds
@@ -106,11 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--plot", metavar="FILE.png")
+    replay_time.add_arguments(parser)
     opts = parser.parse_args(argv)
     start = time.perf_counter()
     if opts.mode == "time":
-        from bench import replay_time
-
         result = replay_time.main(opts)
     else:
         result = fgd_mode(opts)
