@@ -27,9 +27,12 @@ test: lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python bench/spec.py
 	$(BIN)/python bench/dispatch.py
 	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/replay.py --mode fgd --plot docs/images/replay_fgd.png
+	$(BIN)/python bench/replay.py --mode time --plot docs/images/replay_time.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -63,3 +63,32 @@ def test_a_fraction_share_fits_beside_vram_shares_up_to_1000_milli() -> None:
     assert decide(pending, [sharing("w", (1000, 0))]).assigned() == {"v": "w", "f": "w"}
     third = [*pending, share("g", at=2, ojs_ml_gpu_share=0.01)]
     assert decide(third, [sharing("w", (1000, 0))]).assigned() == {"v": "w", "f": "w"}
+
+
+def test_a_share_fills_a_partly_used_device_before_it_opens_a_whole_one_fleet_wide() -> None:
+    """FGD per GPU: opening an untouched device fragments it for whole-GPU jobs; filling
+    the half-used device of another worker leaves every whole GPU whole."""
+    waiting = [job("w1", at=1, gpu_count=1, node_selector={"pool": "later"})]
+    for fleet in (
+        [sharing("untouched", (1000, 1000)), sharing("half", (500, 1000))],
+        [sharing("half", (500, 1000)), sharing("untouched", (1000, 1000))],
+    ):
+        decision = decide([share("s", **VRAM_40), *waiting], fleet)
+        assert decision.assigned() == {"s": "half"}
+        assert decision.assignments[0].score > 0
+
+
+def test_a_share_leaves_the_leftover_that_other_shares_can_still_use() -> None:
+    """Two half-used workers and a 0.3 share: best fit would leave 100 milli (usable by
+    nothing in the workload); FGD leaves 200 on the other, which the waiting 0.2 shares
+    can use, so fragmentation grows less there."""
+    pending = [
+        share("s", ojs_ml_gpu_share=0.3),
+        *[share(f"f{i}", at=1 + i, ojs_ml_gpu_share=0.2, ext_ml_node_selector={"pool": "x"})
+          for i in range(3)],
+    ]  # fmt: skip
+    for fleet in (
+        [sharing("five", (500, 0)), sharing("four", (400, 0))],
+        [sharing("four", (400, 0)), sharing("five", (500, 0))],
+    ):
+        assert decide(pending, fleet).assigned() == {"s": "five"}
