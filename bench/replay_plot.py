@@ -17,7 +17,14 @@ PAPER_130 = {  # FGD artifact, analysis_allo_discrete.csv, mean of 10 seeds
     "gpuspec33": {"bestfit": 93.09, "fgd": 94.55, "random": 86.46},
     "multigpu50": {"bestfit": 95.74, "fgd": 97.18, "random": 90.27},
 }
-COLOURS = {"random": "tab:gray", "bestfit": "tab:blue", "ojs": "tab:red", "fgd": "tab:green"}
+COLOURS = {
+    "random": "tab:gray",
+    "bestfit": "tab:blue",
+    "ojs": "tab:red",
+    "fgd": "tab:green",
+    "pull": "tab:gray",
+    "strict": "tab:blue",
+}
 
 
 def plot(mode: str, result: dict[str, Any], path: str) -> None:
@@ -31,7 +38,7 @@ def plot(mode: str, result: dict[str, Any], path: str) -> None:
         raise SystemExit(
             "--plot needs matplotlib, a bench-only extra: pip install -e '.[bench]'"
         ) from None
-    panels = list(result)
+    panels = [k for k in result if k != "meta"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         if mode == "fgd":
@@ -62,12 +69,23 @@ def _alloc(ax: Any, workload: str, by_policy: dict[str, dict[str, float]]) -> No
 def _waits(ax: Any, load: str, by_policy: dict[str, Any]) -> None:
     for policy, metrics in by_policy.items():
         waits = sorted(max(float(w), 1.0) for w in metrics.get("waits", []))
+        big = sorted(max(float(w), 1.0) for w in metrics.get("waits_big", []))
+        if big:
+            share = [(i + 1) / len(big) for i in range(len(big))]
+            ax.step(
+                big,
+                share,
+                where="post",
+                linestyle=":",
+                color=COLOURS.get(policy),
+                label=f"{policy}, >= 4 GPUs",
+            )
         if not waits:
             continue
         share = [(i + 1) / len(waits) for i in range(len(waits))]
         ax.step(waits, share, where="post", label=policy, color=COLOURS.get(policy))
     ax.set_xscale("log")
-    ax.set_title(f"load {load}%: wait before first start")
+    ax.set_title(f"load {load}%: wait before first start (CDF)")
     ax.set_xlabel("wait, s (log)")
     ax.set_ylabel("share of jobs")
     ax.grid(alpha=0.3)

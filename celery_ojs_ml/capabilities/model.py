@@ -201,8 +201,10 @@ class Capabilities(CapabilityModel):
     """§3.4 size of `/dev/shm` in GB."""
     models_loaded: tuple[LoadedModel, ...] = ()
     """§11 models the worker holds (§4 model locality)."""
-    model_registry_access: bool = True
-    """§4: False means the worker can serve only the models in `models_loaded`."""
+    model_registry_access: bool = False
+    """§4: True declares the worker can fetch any model version from its registry; by
+    default (False) it serves a pinned version (`ext_ml_model_id` + `ext_ml_model_version`)
+    only when that version is in `models_loaded`."""
     runtimes: tuple[str, ...] = ()
     """§11 runtimes installed on the worker, e.g. `vllm`, `pytorch`."""
     labels: Labels = Field(default_factory=dict)

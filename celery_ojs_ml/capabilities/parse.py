@@ -83,7 +83,7 @@ def capabilities_to_dict(c: Capabilities) -> dict[str, Any]:
     for key in ("models_loaded", "runtimes", "labels"):
         if not inner[key]:
             del inner[key]
-    if inner["model_registry_access"]:
+    if not inner["model_registry_access"]:
         del inner["model_registry_access"]
     inner = _whole_numbers(inner)
     return (

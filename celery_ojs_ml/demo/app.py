@@ -26,6 +26,7 @@ from celery import Celery
 from kombu.entity import Queue
 
 from celery_ojs_ml import OJSML
+from celery_ojs_ml.demo.jobs import REGISTRY_ACCESS
 
 BROKER_ENV = "OJS_DEMO_BROKER"
 TASK_TYPES = ("ml.data_prep", "ml.train", "ml.evaluate", "ml.deploy", "ml.inference")
@@ -67,6 +68,7 @@ def make_app(broker: str, **conf: Any) -> Celery:
         result_expires=3600,
         ojs_ml_subscription_poll_s=0.2,
         ojs_ml_heartbeat_s=0.5,
+        ojs_ml_model_registry_access=REGISTRY_ACCESS,  # the demo's workers fetch any model
         task_queues=[Queue(name) for name in QUEUES],  # type: ignore[no-untyped-call]
     )
     app.conf.update(conf)

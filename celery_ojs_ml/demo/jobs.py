@@ -86,9 +86,19 @@ class Submission:
     jobs: list[DemoJob] = field(default_factory=list)
 
 
+REGISTRY_ACCESS = True
+"""The demo's workers run with `ojs_ml_model_registry_access` (they can fetch any model
+version), so the spec examples pinned to a model version have somewhere to run."""
+
+
 def fleet_capabilities(fleet: dict[str, str] | None = None) -> dict[str, Capabilities]:
     """Hostname -> capabilities, resolved exactly as each worker resolves them."""
-    return {host: resolve_capabilities(value) for host, value in (fleet or FLEET).items()}
+    return {
+        host: resolve_capabilities(value).model_copy(
+            update={"model_registry_access": REGISTRY_ACCESS}
+        )
+        for host, value in (fleet or FLEET).items()
+    }
 
 
 def load(

@@ -313,6 +313,9 @@ class OJSML:
         """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
         parsed = parse_document(doc, self.parse_options)
         if isinstance(parsed, Workflow):
+            for step in parsed.steps:  # every step's reservation before any step goes out
+                if step.requirements.ext_ml_reservation_id is not None:
+                    self.check_reservation(step.requirements)
             sigs = [self._job_signature(step) for step in parsed.steps]
             return chain(*sigs) if parsed.workflow_type == "chain" else group(*sigs)
         if isinstance(parsed, FluxJob):

@@ -72,6 +72,9 @@ class OJSMLSettings(BaseModel):
     """Jobs the scheduler may deliver to a worker ahead of free capacity, to wait at its gate
     and start the moment a job there ends (0: off). They are the jobs first in fleet order
     that hold a reservation on that worker."""
+    model_registry_access: bool = False
+    """Advertise `model_registry_access: true` (§4): this worker can fetch any model version,
+    so jobs pinned to a version it has not loaded may run here. Default: only loaded ones."""
     gpu_sharing: Literal["off", "vram"] = "off"
     """"vram": jobs that opt in with `ojs_ml_gpu_share` share this worker's GPUs, each
     taking milli-GPU of one device by VRAM or fraction (docs/sharing.md); "off": whole GPUs."""

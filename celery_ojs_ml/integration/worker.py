@@ -217,6 +217,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.bounds = self.settings.parse_options().bounds
         self.admission = Admission(self.bounds, self.settings.max_header_bytes)
         self.caps: Capabilities = capabilities_for(ojs_ml_capabilities)
+        if self.settings.model_registry_access and not self.caps.model_registry_access:
+            self.caps = self.caps.model_copy(update={"model_registry_access": True})
         self.prefork = is_prefork(getattr(c, "pool", None))
         self._check_pool()
         self.allocator = Allocator(

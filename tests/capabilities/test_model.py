@@ -152,7 +152,7 @@ def test_a_numeric_compute_capability_is_read_as_major_minor() -> None:
 def test_a_loaded_model_may_be_given_as_its_id() -> None:
     worker = Capabilities.model_validate({"models_loaded": ["llama-3.1-8b"]})
     assert worker.models_loaded == (LoadedModel(model_id="llama-3.1-8b"),)
-    assert worker.model_registry_access is True
+    assert worker.model_registry_access is False  # §4 pinning by default
 
 
 def test_the_builder_records_loaded_models_with_their_versions() -> None:

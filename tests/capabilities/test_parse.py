@@ -346,15 +346,15 @@ def test_the_canonical_form_of_the_section_11_example_is_the_example() -> None:
     assert capabilities_to_dict(parse_capabilities(SECTION_11_EXAMPLE)) == SECTION_11_EXAMPLE
 
 
-def test_the_canonical_form_shows_catalogue_values_and_a_registry_restriction() -> None:
-    worker = worker_with(gpus=1, gpu_type="nvidia-t4", model_registry_access=False)
+def test_the_canonical_form_shows_catalogue_values_and_registry_access() -> None:
+    worker = worker_with(gpus=1, gpu_type="nvidia-t4", model_registry_access=True)
     assert capabilities_to_dict(worker) == {
         "capabilities": {
             "accelerator": "gpu",
             "gpu": {"type": "nvidia-t4", "count": 1, "memory_gb": 16, "compute_capability": "7.5"},
             "cpu_cores": 32,
             "memory_gb": 256,
-            "model_registry_access": False,
+            "model_registry_access": True,
         }
     }
 

@@ -59,6 +59,9 @@ def make_app(broker: str, **conf: Any) -> Celery:
     app.conf.update(
         task_create_missing_queues=True,
         worker_prefetch_multiplier=1,
+        # the test workers fetch any model version (§4); a test that checks pinning to
+        # loaded versions turns it off through OJS_TEST_CONF
+        ojs_ml_model_registry_access=True,
         broker_transport_options={
             "visibility_timeout": float(os.environ.get("OJS_TEST_VISIBILITY", "3600")),
             # kombu sweeps unacked messages every interval x throttle s (100 s by default);

@@ -82,3 +82,40 @@ def test_a_checksum_mismatch_fails_the_job_with_the_named_error(
     assert type(failed.value).__name__ == "ChecksumMismatch", repr(failed.value)
     assert "ext_ml_model_checksum" in text and bad in text and good in text
     app.close()
+
+
+def test_a_pinned_version_runs_only_where_it_is_loaded_by_default_section_4(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """§4 MUST, by default (`ojs_ml_model_registry_access` off): a job pinned to m@1 runs on
+    the worker that declares m@1 loaded; a job pinned to m@2 never runs there."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    caps = {
+        "gpu": {"type": "nvidia-a100", "count": 2},
+        "models_loaded": [{"model_id": "m", "model_version": "1"}],
+    }
+    env = {"OJS_TEST_RECYCLE": "warm",
+           "OJS_TEST_CONF": json.dumps({"ojs_ml_model_registry_access": False})}  # fmt: skip
+    worker = WorkerProcess("a", redis_url, json.dumps(caps), tmp_path, concurrency=2,
+                           extra_env=env)  # fmt: skip
+    with running([worker], store):
+        advertised = store.live_workers()["a@test"]["capabilities"]["capabilities"]
+        other = app.tasks["ml.infer"].apply_async(args=[7], headers={"ext_ml_model_version": "2"})
+        pinned = app.tasks["ml.infer"].apply_async(args=[1])
+        assert pinned.get(timeout=30)["y"] == 2
+        time.sleep(2.0)  # four heartbeats and many scheduling passes
+        ran = [json.loads(r)["task_id"] for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
+    assert "model_registry_access" not in advertised  # false: left out of the advertisement
+    assert pinned.id in ran and other.id not in ran, ran
+    assert other.state == "PENDING"
+    app.close()
+
+
+def test_version_pinning_holds_by_default_section_4() -> None:
+    """Nothing configured: a worker does not claim it can fetch every model version."""
+    from celery_ojs_ml.capabilities import Capabilities
+    from celery_ojs_ml.integration.settings import OJSMLSettings
+
+    assert OJSMLSettings().model_registry_access is False
+    assert Capabilities.model_validate({"gpu": {"count": 1}}).model_registry_access is False

@@ -718,12 +718,19 @@ MODEL_AND_RESERVATION: dict[str, Case] = {
         FITS,
         [],
     ),
-    "a pinned model fits a worker that can reach the registry (§4 accessible)": (
+    "a pinned model fits a worker that declares registry access (§4 accessible)": (
         LLAMA_V2,
-        CPU,
+        worker_with(model_registry_access=True),
         None,
         FITS,
         [],
+    ),
+    "a pinned model never fits a worker that declares nothing, by default (§4 MUST)": (
+        LLAMA_V2,
+        CPU,
+        None,
+        NEVER,
+        ["model llama-3.1-70b@v2.1 not loaded"],
     ),
     "a model id without a version pins nothing (§4)": (
         job(model_id="llama-3.1-70b"),
