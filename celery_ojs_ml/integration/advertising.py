@@ -1,0 +1,287 @@
+"""The worker's advertisement (§11) and its queue subscription.
+
+A mixin of `worker.MLWorker`, split out of it to keep modules small; every
+attribute below is set by `MLWorker.__init__`/`start`.
+
+Key decisions (see `worker`'s module doc):
+* The advertisement is the declared capabilities plus what is live: models
+  loaded by pool children (`integration.models`), reservations held, the
+  allocator's snapshot; it is re-written on every heartbeat.
+* Queues are added and cancelled on the consumer's own task consumer and
+  reapplied in `start()`, which also runs after every reconnect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+from celery_ojs_ml.allocator import Allocator
+from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
+from celery_ojs_ml.integration.admission import Admission
+from celery_ojs_ml.integration.gate import Gate
+from celery_ojs_ml.integration.models import live_models, merged
+from celery_ojs_ml.integration.reservations import held_by
+from celery_ojs_ml.integration.routing import (
+    class_routes,
+    ml_queue,
+    queue_name,
+)
+from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.integration.wakeup import wake_consumer
+from celery_ojs_ml.integration.warm_pool import pool_pids
+from celery_ojs_ml.matching import Verdict, match
+from celery_ojs_ml.spec.classes import BANDS, hard_constraints
+from celery_ojs_ml.spec.normalize import Bounds, normalize
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger("celery_ojs_ml.integration.worker")
+_WANTED_CACHE = 256
+"""Subscription sets cached per (registry version, capacity shape) before the cache resets."""
+
+
+class Advertising(Gate):
+    """What this worker advertises and which queues it consumes (see module doc)."""
+
+    app: Celery
+    c: Any
+    caps: Capabilities
+    settings: OJSMLSettings
+    bounds: Bounds
+    store: OJSStore
+    allocator: Allocator
+    admission: Admission
+    hostname: str
+    address: str
+    own_queue: str
+    prefork: bool
+    lock: threading.RLock
+    logical: frozenset[str]
+    subscribed: set[str]
+    classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]]
+    version: int
+    child_models: dict[int, dict[str, Any]]
+    reservations: Any
+    _wanted: dict[Any, frozenset[str]]
+    _declared: set[str]
+    _bound: dict[str, Any]
+    _bad_classes: set[str]
+
+    def advertise(self) -> None:
+        """Heartbeat: capabilities and free capacity into the live-worker registry."""
+        ttl = 3 * self.settings.heartbeat_s
+        with self.lock:
+            snap = self.allocator.snapshot()
+            held = [p.as_dict() for p in self.allocator.held()]
+        try:
+            self.store.advertise(
+                self.hostname,
+                self._advertised_caps(),
+                snap,
+                ttl_s=ttl,
+                info={
+                    "pid": os.getpid(),
+                    "pinning": self.prefork,
+                    "queues": sorted(self.logical),
+                    "address": self.address,
+                },
+                held=held,
+            )
+        except Exception as exc:  # a store outage must not stop the worker
+            log.warning("ojs-ml: advertisement failed: %s", exc)
+
+    def _advertised_caps(self) -> dict[str, Any]:
+        """The capabilities with `models_loaded` as the pool children hold them now (§11)."""
+        doc = capabilities_to_dict(self.caps)
+        if not self.prefork:
+            return doc
+        try:
+            self.child_models = live_models(self.store, self.hostname, pool_pids(self.c))
+        except Exception as exc:
+            log.debug("ojs-ml: could not read the loaded models: %s", exc)
+            return doc
+        static = doc["capabilities"].get("models_loaded") or []
+        if self.child_models:
+            doc["capabilities"]["models_loaded"] = merged(static, self.child_models)
+        return doc
+
+    def _holds_model(self, ml: MLRequirements) -> Any:
+        """pid -> whether that child holds the job's model (for the gate's device choice)."""
+        want = (ml.ext_ml_model_id, ml.ext_ml_model_version)
+        if not want[0] or not self.child_models:
+            return None
+
+        def holds(pid: int) -> bool:
+            models = (self.child_models.get(pid) or {}).get("models") or []
+            return any(
+                m.get("model_id") == want[0] and want[1] in (None, m.get("model_version"))
+                for m in models
+            )
+
+        return holds
+
+    def refresh(self) -> None:
+        """Pick up new classes and (re)apply the queues that fit free capacity now."""
+        try:
+            version = self.store.classes_version()
+            if version < self.version and self.classes:
+                self._restore_registry()  # the store restarted empty: put back what we know
+                version = self.store.classes_version()
+            if version != self.version:
+                classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]] = {}
+                for cid, entry in self.store.classes().items():
+                    parsed = self._parse_class(cid, entry)
+                    if parsed is not None:
+                        classes[cid] = parsed
+                with self.lock:
+                    self.classes, self.version = classes, version
+        except Exception as exc:
+            log.warning("ojs-ml: could not read the class registry: %s", exc)
+        self.hold_reservations()
+        with self.lock:
+            own = self._own_queues()
+            if own != self.logical:  # `celery control add_consumer/cancel_consumer`
+                self.logical, self._wanted = own, {}
+        self.resubscribe()
+
+    def hold_reservations(self) -> None:
+        """Hold exactly the reservations placed on this worker (§8.3, `allocator.pools`)."""
+        try:
+            if not self.store.client.exists(self.reservations.key) and not self.allocator.pools:
+                return
+            held = held_by(
+                self.reservations.all(), self.hostname, self.admission.parse, time.time()
+            )
+        except Exception as exc:  # keep what is held until the store answers again
+            log.warning("ojs-ml: could not read the reservations: %s", exc)
+            return
+        with self.lock:
+            before = set(self.allocator.pools)
+            self.allocator.set_pools(held)
+        if set(held) != before:
+            log.info("ojs-ml: holding reservations %s", sorted(held) or "none")
+        if before - set(held):  # capacity came back: held jobs may fit now
+            self.pump()
+            self.wake_scheduler()
+
+    def _parse_class(
+        self, cid: str, entry: dict[str, Any]
+    ) -> tuple[MLRequirements, list[tuple[str, str]]] | None:
+        """One registry entry, validated with this app's bounds; None (logged) if it fails.
+
+        A class this worker cannot parse is skipped on its own, so one bad entry
+        (a producer with looser bounds, a hand-edited store) never hides the others.
+        """
+        try:
+            return normalize(entry["constraints"], self.bounds).requirements, class_routes(entry)
+        except Exception as exc:
+            if cid not in self._bad_classes:
+                self._bad_classes.add(cid)
+                log.error("ojs-ml: skipping requirement class %s: %s", cid, exc)
+            return None
+
+    def _restore_registry(self) -> None:
+        """Re-register the classes this worker knew after the store lost its registry."""
+        log.warning("ojs-ml: the class registry was reset (store restarted?); restoring it")
+        for cid, (req, routes) in list(self.classes.items()):
+            constraints = hard_constraints(req)
+            for logical, band_name in routes:
+                self.store.register_class(cid, constraints, logical_queue=logical, band=band_name)
+
+    def _own_queues(self) -> frozenset[str]:
+        """The queues this consumer reads besides class queues (`-Q`, `add_consumer`).
+
+        Like plain Celery, a worker runs only the jobs of the queues it was
+        told to consume: an ML job of logical queue `train` goes to
+        `train.ml.<class>.<band>`, which only workers consuming `train` read.
+        """
+        tc = self.c.task_consumer
+        if tc is None:
+            return self.logical
+        return frozenset(q.name for q in tc.queues if ".ml." not in q.name)
+
+    def wanted_queues(self) -> set[str]:
+        """Class queues of its own logical queues that this worker can run and that fit now.
+
+        Cached on the class registry version and the shape of the allocator's
+        state (`Allocator.capacity_key`): on the hot path (dispatch, then
+        release) it is asked twice per job, and a worker running alike jobs
+        cycles through a handful of shapes, so matching runs only on a miss.
+        """
+        return set(self._wanted_now())
+
+    def _wanted_now(self) -> frozenset[str]:
+        key = (self.version, self.allocator.capacity_key())
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            if len(self._wanted) >= _WANTED_CACHE:
+                self._wanted.clear()
+            wanted = self._wanted[key] = frozenset(self._compute_wanted())
+        return wanted
+
+    def _compute_wanted(self) -> set[str]:
+        """The worker's own queue: the fleet scheduler delivers its assignments there."""
+        return {self.own_queue}
+
+    def _class_queues(self) -> set[str]:
+        """Class queues that fit now (the transport before the fleet scheduler; unused)."""
+        free = self.allocator.free_capacity()
+        wanted: set[str] = set()
+        if self.allocator.held():
+            return wanted  # fetch nothing more until the held jobs have started
+        room = {b: self.allocator.preemptible_capacity(b) for b in BANDS[:-1]}
+        for cid, (req, routes) in self.classes.items():
+            fits_now = match(req, self.caps, free).verdict is Verdict.FITS
+            for logical, b in routes:
+                if logical not in self.logical:
+                    continue
+                if not fits_now and (
+                    b not in room or match(req, self.caps, room[b]).verdict is not Verdict.FITS
+                ):
+                    continue  # a higher band also comes when preempting lower bands makes room
+                wanted.add(queue_name(logical, cid, b))
+        return wanted
+
+    def resubscribe(self) -> None:
+        """Consume exactly the wanted queues, on this consumer only."""
+        with self.lock:
+            tc = self.c.task_consumer
+            if tc is None:
+                return
+            wanted = self._wanted_now()
+            if wanted == self.subscribed:
+                return
+            for name in sorted(self.subscribed - wanted):
+                tc.cancel_by_queue(name)
+            added = sorted(wanted - self.subscribed)
+            for name in added:
+                self._add_queue(tc, name)
+            if added:
+                tc.consume()
+            self.subscribed = set(wanted)
+        if added:
+            wake_consumer(tc)
+
+    def _add_queue(self, tc: Any, name: str) -> None:
+        """Put the queue `name` back on the consumer `tc` (it starts on `tc.consume()`).
+
+        A worker running alike jobs drops and re-adds the same queue whenever
+        its free capacity crosses the class's need, up to twice per job. Each
+        queue is declared once per connection (`start` runs again after a
+        reconnect) and bound once per channel: the bound `Queue` is kept and
+        put back as it is, instead of building and binding a new one (kombu's
+        `add_queue` copies the queue and its exchange every time).
+        """
+        queues = getattr(tc, "_queues", None)
+        bound = self._bound.get(name)
+        if bound is not None and bound.channel is tc.channel and isinstance(queues, dict):
+            queues[name] = bound
+            return
+        self._bound[name] = tc.add_queue(ml_queue(name, declare=name not in self._declared))
+        self._declared.add(name)
