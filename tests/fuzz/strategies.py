@@ -304,8 +304,9 @@ _STEP = re.compile(r"^(steps|jobs)\[(\d+)\]\.")
 def named_attribute(path: str, doc: Any) -> bool:
     """Whether a violation path names an attribute of `doc` (or the job, when it is no object).
 
-    Accepted roots: ext_ml*/ext_mlx* keys, the core envelope fields, the workflow
-    fields and the four Flux V1 keys; `<job>`/`<document>` only for a value that
+    Accepted roots: ext_ml*/ext_mlx* keys, the project's own job keys (`ojs_ml_*`,
+    e.g. `ojs_ml_gpu_share`), the core envelope fields, the workflow fields and the
+    four Flux V1 keys; `<job>`/`<document>` only for a value that
     is not a mapping at all, where there is no attribute to name.
     """
     step = _STEP.match(path)
@@ -319,7 +320,7 @@ def named_attribute(path: str, doc: Any) -> bool:
     if root in ("<job>", "<document>"):
         return not isinstance(doc, Mapping)
     allowed = _NAMED_CORE_FIELDS | _WORKFLOW_FIELDS | _FLUX_FIELDS
-    return root.startswith("ext_ml") or root in allowed
+    return root.startswith(("ext_ml", "ojs_ml_")) or root in allowed
 
 
 def jobspec_text(doc: Any) -> str:
