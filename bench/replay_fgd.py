@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from bench.trace import Node, Pod
 from celery_ojs_ml.allocator.sharing import FULL, after, place
@@ -150,8 +150,17 @@ def run(
     nodes: Sequence[Node], pods: Sequence[Pod], choose: Chooser, rank: Sequence[int]
 ) -> dict[str, float]:
     """Place `pods` in order with `choose`; the allocation rate (%) at each arrived load."""
-    cluster = Cluster(nodes, rank)
     events: dict[int, list[float]] = {}
+    for arrived, rate in placements(nodes, pods, choose, rank):
+        events.setdefault(round(arrived), []).append(rate)
+    return {str(k): _bucket(events, k) for k in LOADS}
+
+
+def placements(
+    nodes: Sequence[Node], pods: Sequence[Pod], choose: Chooser, rank: Sequence[int]
+) -> Iterator[tuple[float, float]]:
+    """After each pod (placed or failed): (arrived load %, allocation rate %)."""
+    cluster = Cluster(nodes, rank)
     arrived = 0
     kinds: dict[Kind, int] = {}
     for pod in pods:
@@ -162,9 +171,7 @@ def run(
         if options:
             group, devices = choose(cluster, kind, kid, options)
             cluster.take(group, kind, devices)
-        load = round(100 * arrived / cluster.capacity)
-        events.setdefault(load, []).append(100 * cluster.allocated / cluster.capacity)
-    return {str(k): _bucket(events, k) for k in LOADS}
+        yield 100 * arrived / cluster.capacity, 100 * cluster.allocated / cluster.capacity
 
 
 def _bucket(events: dict[int, list[float]], load: int) -> float:
