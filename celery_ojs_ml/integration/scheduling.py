@@ -34,13 +34,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from kombu import Consumer, Producer  # type: ignore[attr-defined]
-
-from celery_ojs_ml.allocator.policy import with_preemption_limits
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.checkpoint import last_checkpoint
-from celery_ojs_ml.integration.admission import Admission, BadMessage
-from celery_ojs_ml.integration.deadletter import dead_letter
+from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.fleet_view import (
     BudgetHold,
     Ledger,
@@ -50,15 +46,15 @@ from celery_ojs_ml.integration.fleet_view import (
     worker_states,
 )
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS, rendezvous
-from celery_ojs_ml.integration.leases import LeaseBook, republish_headers
-from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
+from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
+from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
-from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
+from celery_ojs_ml.spec.resources import gpu_share
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +68,7 @@ _ADMIT_BATCH = 200
 
 HEADER_ASSIGN = "ojs_assign"
 HEADER_VICTIMS = "ojs_victims"
-HEADER_WAKE = "ojs_wake"
 HEADER_PREFETCH = "ojs_prefetch"
-_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
 
 
 def worker_queue_name(prefix: str, worker: str) -> str:
@@ -97,7 +91,7 @@ def send_wake(app: Any, worker: str) -> None:
         )
 
 
-class FleetScheduler:
+class FleetScheduler(Intake):
     """One candidate for the scheduler lock; `run()` loops until `stop()`."""
 
     def __init__(self, app: Any, candidate: str | None = None) -> None:
@@ -226,130 +220,6 @@ class FleetScheduler:
         # Batch passes in proportion to their cost: a cheap pass (an idle fleet) lets the
         # next job in at once; an expensive one (a long pending set) waits up to the cap.
         self._gap_s = min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
-
-    def _admit(self) -> None:
-        """Write the drained jobs to the pending set in one transaction, then ack them."""
-        batch, self._intake = self._intake, []
-        if not batch:
-            return
-        self.book.admit_many([(task_id, meta, msg) for task_id, meta, msg, _ in batch])
-        for *_, message in batch:  # acked only once stored: a crash before redelivers them
-            message.ack()
-
-    def _connect(self) -> None:
-        if self._conn is not None:
-            return
-        conn = self.app.connection_for_write()
-        conn.ensure_connection(max_retries=1)
-        channel = conn.channel()
-        queue = ml_queue(self.intake)
-        consumer: Any = Consumer(channel, queues=[queue], on_message=self._on_message)  # type: ignore[no-untyped-call]
-        consumer.qos(prefetch_count=256)
-        consumer.consume()
-        self._conn, self._consumer = conn, consumer
-        self._producer = Producer(conn.channel())  # type: ignore[no-untyped-call]
-        self._declared = set()
-
-    def _close(self) -> None:
-        conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
-        self._intake = []  # not acked: the broker redelivers them to the next leader
-        if conn is not None:
-            try:
-                conn.release()
-            except Exception as exc:
-                log.debug("ojs-ml: closing the scheduler connection: %s", exc)
-
-    def _on_message(self, message: Any) -> None:
-        """An intake message: a job to admit, or a worker's wake-up."""
-        headers = dict(message.headers or {})
-        self._dirty = True
-        if HEADER_WAKE in headers:
-            message.ack()
-            return
-        task_id = headers.get("id")
-        if not isinstance(task_id, str) or not task_id:
-            log.error("ojs-ml: dropping an intake message without a task id: %r", headers)
-            message.ack()
-            return
-        body = message.body if isinstance(message.body, bytes) else str(message.body).encode()
-        try:
-            if self.admission.requirements(dict(headers)) is None:
-                raise BadMessage(
-                    "no ojs_class header: publish ML jobs through the OJSML(app) router"
-                )
-        except BadMessage as exc:
-            self._refuse(task_id, headers, body, str(exc))
-            message.ack()
-            return
-        props = message.properties or {}
-        msg = {
-            "body": base64.b64encode(body).decode(),
-            "content_type": message.content_type,
-            "content_encoding": message.content_encoding,
-            "headers": headers,
-            "properties": {k: props[k] for k in _PROPERTIES if props.get(k) is not None},
-        }
-        self._intake.append((task_id, self._meta(headers, props), msg, message))
-
-    def _refuse(self, task_id: str, headers: dict[str, Any], body: bytes, reason: str) -> None:
-        """An intake message no worker may run: dead-letter it and fail it, with the reason."""
-        log.error("ojs-ml: refusing %s at intake: %s", task_id, reason)
-        try:
-            args, kwargs = json.loads(body)[:2]
-        except Exception:
-            args, kwargs = [], {}
-        record = {
-            "task_id": task_id,
-            "name": headers.get("task"),
-            "args": args if isinstance(args, list) else [],
-            "kwargs": kwargs if isinstance(kwargs, dict) else {},
-            "headers": republish_headers(headers) if len(repr(headers)) < 65536 else {},
-            "retries": 0,
-        }
-        try:
-            dead_letter(self.store, record, f"refused by the scheduler: {reason}")
-            self.app.backend.mark_as_failure(task_id, BadMessage(reason), request=None)
-        except Exception as exc:
-            log.warning("ojs-ml: while refusing %s: %s", task_id, exc)
-
-    def _meta(self, headers: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
-        limit = headers.get("ext_ml_timeout_seconds")
-        timelimit = headers.get("timelimit")
-        if not isinstance(limit, int | float) and isinstance(timelimit, list | tuple):
-            limit = next((t for t in timelimit if isinstance(t, int | float)), None)
-        return {
-            "task": headers.get("task"),
-            "queue": headers.get("ojs_logical_queue") or "celery",
-            "band": headers.get("ojs_band") or "",
-            "gpus": headers.get("ext_ml_gpu_count") or 0,
-            "priority": props.get("priority") or 0,
-            "submitted_at": time.time(),
-            "time_limit_s": limit,
-        }
-
-    # -- one pass -----------------------------------------------------------------------------
-
-    def parse(self, headers: Any) -> MLRequirements | None:
-        """The requirements of a job's headers, validated with the app's bounds."""
-        try:
-            return self.admission.requirements(dict(headers))
-        except BadMessage as exc:
-            log.error("ojs-ml: the scheduler cannot parse a job: %s", exc)
-            return None
-
-    def parse_running(self, headers: Any) -> MLRequirements | None:
-        """The requirements of a running job's lease headers."""
-        try:
-            req = self.admission.parse(dict(headers))
-            return with_preemption_limits(
-                req,
-                policy=policy_of(headers),
-                preemptions=preemptions_of(headers),
-                max_preemptions=self.settings.max_preemptions,
-            )
-        except BadMessage as exc:
-            log.error("ojs-ml: the scheduler cannot parse a running job: %s", exc)
-            return None
 
     def schedule_once(self) -> Decision:
         """Take back stale assignments, run the policy core, assign, annotate."""
