@@ -13,8 +13,8 @@ least wins. The growth is scored as FGD scores it, `100 * sigmoid(-growth /
 each other tie. Best fit on GPUs (fewest left over) breaks those ties, at a
 weight too small to trade against a point of fragmentation, then fleet order.
 `bench/replay.py --mode fgd` measured the choices on the Alibaba trace
-(docs/performance.md): without the GPU tie-break 93.8% of the GPUs are
-allocated at 130% load, with it 95.4%; best fit on cores and memory as the
+(docs/performance.md; seeds 0-1): without the GPU tie-break 93.8% of the GPUs
+are allocated at 130% load, with it 95.4%; best fit on cores and memory as the
 tie-break gives 90.5%, so host fit is reported but not weighed. A CPU job takes
 the worker with the fewest free GPUs (a CPU worker first), a 1-GPU job the
 1-GPU worker, and an idle 8-GPU worker stays whole. `spread` inverts the GPU
