@@ -50,10 +50,22 @@ class Kind:
 class Mix:
     """The target workload: kinds and their shares of jobs, shares summing to 1.
 
-    Compared and hashed by identity, so a memo keyed on it stays cheap.
+    Compared and hashed by identity, so a memo keyed on it stays cheap; build
+    it with `of`, `with_sizes` or `interned`, which return the same instance
+    for the same kinds and shares, so the memo also hits across passes.
     """
 
     kinds: tuple[tuple[Kind, float], ...] = ()
+
+    @staticmethod
+    def interned(kinds: tuple[tuple[Kind, float], ...]) -> Mix:
+        """The one `Mix` of these kinds and shares (a bounded table of recent mixes)."""
+        hit = _MIXES.get(kinds)
+        if hit is None:
+            if len(_MIXES) >= _MIXES_MAX:
+                _MIXES.clear()
+            hit = _MIXES[kinds] = Mix(kinds)
+        return hit
 
     @classmethod
     def of(cls, kinds: Iterable[Kind], coverage: float = 0.95) -> Mix:
@@ -74,7 +86,7 @@ class Mix:
                 break
             kept.append((kind, n))
             covered += n
-        return cls(tuple((k, n / covered) for k, n in kept) if covered else ())
+        return cls.interned(tuple((k, n / covered) for k, n in kept) if covered else ())
 
 
 def with_sizes(mix: Mix, sizes: Iterable[int], weight: float = PRIOR_WEIGHT) -> Mix:
@@ -94,7 +106,11 @@ def with_sizes(mix: Mix, sizes: Iterable[int], weight: float = PRIOR_WEIGHT) -> 
     extra = 1.0 if not mix.kinds else weight * len(missing) / len(whole)
     kinds = [(k, share * (1 - extra)) for k, share in mix.kinds]
     kinds += [(Kind(gpus=s), extra / len(missing)) for s in missing]
-    return Mix(tuple(kinds))
+    return Mix.interned(tuple(kinds))
+
+
+_MIXES: dict[tuple[tuple[Kind, float], ...], Mix] = {}
+_MIXES_MAX = 256
 
 
 def kind_of(job: PendingJob) -> Kind:
