@@ -24,6 +24,7 @@ COLOURS = {
     "fgd": "tab:green",
     "pull": "tab:gray",
     "strict": "tab:blue",
+    "fair": "tab:orange",
 }
 
 

@@ -53,6 +53,7 @@ class Job:
     mem: float
     band: str
     duration: float
+    queue: str = "default"
 
     @property
     def kind(self) -> Kind:
@@ -120,6 +121,14 @@ class Sim:
         self.busy_gpu_s = 0.0
         self.idle_wait_gpu_s = 0.0
         self.idle_total_gpu_s = 0.0
+        self.idle_capable_gpu_s = 0.0
+        self.queues = sorted({j.queue for j in jobs})
+        self.held: dict[str, int] = dict.fromkeys(self.queues, 0)
+        self.contended_s = 0.0
+        """Time during which every queue had a job waiting."""
+        self.contended_gpu_s: dict[str, float] = dict.fromkeys(self.queues, 0.0)
+        """GPU-seconds each queue held while every queue had a job waiting."""
+        self._contended = False
         self.passes = 0
         self._events: list[tuple[float, int, str, str, int]] = []
         self._seq = 0
@@ -128,6 +137,8 @@ class Sim:
         self._busy = 0
         self._idle = 0
         self._idle_total = 0
+        self._idle_capable = 0
+        self._capable: dict[Kind, tuple[Worker, ...]] = {}
         for j in jobs:
             self._push(j.arrival, "arrive", j.id, 0)
 
@@ -148,6 +159,11 @@ class Sim:
             self.busy_gpu_s += (t - self.now) * self._busy
             self.idle_wait_gpu_s += (t - self.now) * self._idle
             self.idle_total_gpu_s += (t - self.now) * self._idle_total
+            self.idle_capable_gpu_s += (t - self.now) * self._idle_capable
+            if self._contended:
+                self.contended_s += t - self.now
+                for q, held in self.held.items():
+                    self.contended_gpu_s[q] += (t - self.now) * held
             self.now = t
             self._wakes.discard(t)
             while self._events and self._events[0][0] == t:
@@ -160,6 +176,8 @@ class Sim:
                 observe(self, self._started)
             self._idle = self.idle_while_waiting()
             self._idle_total = self.idle_in_total()
+            self._idle_capable = self.idle_if_packed()
+            self._contended = len({j.queue for j in self.waiting.values()}) == len(self.queues)
         self.check()
 
     def _apply(self, what: str, job_id: str, token: int) -> None:
@@ -185,6 +203,7 @@ class Sim:
         w.take(job, 1)
         self.where[job_id] = name
         self._busy += job.gpus
+        self.held[job.queue] += job.gpus
         self.first_start.setdefault(job_id, self.now)
         self._started.append(job_id)
         self._push(self.now + run.remaining, "end", job_id, run.token)
@@ -207,6 +226,7 @@ class Sim:
         del self.where[run.job.id]
         w.take(run.job, -1)
         self._busy -= run.job.gpus
+        self.held[run.job.queue] -= run.job.gpus
 
     def idle_while_waiting(self) -> int:
         """Free GPUs on workers where at least one waiting job would fit now."""
@@ -222,6 +242,39 @@ class Sim:
         free = sum(w.free_gpus for w in self.workers.values())
         fits = any(j.gpus <= free for j in self.waiting.values())
         return free if free and fits else 0
+
+    def idle_if_packed(self) -> int:
+        """Free GPUs on the workers able to run a waiting job whose free capacity, summed, fits it.
+
+        A waiting job counts when the GPUs, cores and memory free on the
+        workers whose whole capacity could ever hold it add up to what it asks
+        (it could start now had those workers been packed for it); the free
+        GPUs of those workers count as idle. Unlike `idle_in_total`, a job that
+        only a busy worker can ever run, or whose cores or memory are not free,
+        does not make the rest of the fleet idle.
+        """
+        counted: set[str] = set()
+        for kind in minimal_kinds(j.kind for j in self.waiting.values()):
+            able = self._able(kind)
+            g, c, m = kind
+            if (
+                sum(w.free_gpus for w in able) >= g
+                and sum(w.free_cpu for w in able) + 1e-9 >= c
+                and sum(w.free_mem for w in able) + 1e-9 >= m
+            ):
+                counted.update(w.name for w in able)
+        return sum(self.workers[n].free_gpus for n in counted)
+
+    def _able(self, kind: Kind) -> tuple[Worker, ...]:
+        hit = self._capable.get(kind)
+        if hit is None:
+            g, c, m = kind
+            hit = self._capable[kind] = tuple(
+                w
+                for w in self.workers.values()
+                if g <= w.gpus and c <= w.cpu + 1e-9 and m <= w.mem + 1e-9
+            )
+        return hit
 
     def check(self) -> None:
         """Every job finished exactly once, nothing waits or runs, all capacity is back."""
@@ -325,12 +378,17 @@ class Core:
                     submitted_at=j.arrival,
                     time_limit_s=sim.remaining[j.id],
                     band=j.band,
+                    queue=j.queue,
                 )
             out.append(p)
         return out
 
     def fleet(self, sim: Sim) -> list[WorkerState]:
-        return [WorkerState.of(w.name, w.caps, _running(sim, w)) for w in sim.workers.values()]
+        queues = frozenset(sim.queues)
+        return [
+            WorkerState.of(w.name, w.caps, _running(sim, w), queues=queues)
+            for w in sim.workers.values()
+        ]
 
 
 def _running(sim: Sim, w: Worker) -> list[RunningJob]:
@@ -349,6 +407,7 @@ def _running(sim: Sim, w: Worker) -> list[RunningJob]:
                 time_limit_s=r.remaining,
                 last_checkpoint_at=r.started + saved if spot else None,
                 preemptible=spot,
+                queue=r.job.queue,
             )
         )
     return out

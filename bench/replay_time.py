@@ -59,16 +59,18 @@ import multiprocessing
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 from bench.replay_sim import Core, Job, Sim, Worker, ojs, pull, strict
 from bench.trace import Node, Pod, load_nodes, load_pods
 from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.scheduler import DEFAULT_POLICY
 from celery_ojs_ml.testing.builders import worker_with
 
-POLICIES = ("pull", "strict", "ojs")
+POLICIES = ("pull", "strict", "ojs", "fair")
 BANDS = {"Guaranteed": "reserved", "LS": "reserved", "Burstable": "on-demand", "BE": "spot"}
 GPU_TYPES = {  # trace model -> (catalogue-style type id, VRAM GB, compute capability)
     "T4": ("nvidia-t4", 16.0, "7.5"),
@@ -77,6 +79,8 @@ GPU_TYPES = {  # trace model -> (catalogue-style type id, VRAM GB, compute capab
     "V100M32": ("nvidia-v100", 32.0, "7.0"),
     "A10": ("nvidia-a10", 24.0, "8.6"),
 }
+FAIR_WEIGHTS = {"team-a": 2.0, "team-b": 1.0, "team-c": 1.0}
+"""Each job is in one of these queues (a seeded uniform draw); `fair` weighs them so."""
 BIG = 4
 """Jobs of at least this many GPUs are `big`."""
 POINTS = 200
@@ -152,9 +156,15 @@ def ran_gpu_pods() -> list[Pod]:
     ]
 
 
-def draw_jobs(workers: list[Worker], config: Config, rng: random.Random) -> list[Job]:
-    """The seed's jobs that fit some worker, in creation order, all arriving at 0 (`arrive`)."""
+def draw_jobs(
+    workers: list[Worker], config: Config, rng: random.Random, seed: int = 0
+) -> list[Job]:
+    """The seed's jobs that fit some worker, in creation order, all arriving at 0 (`arrive`).
+
+    Queues come from a stream of their own, so the jobs and arrivals do not depend on them.
+    """
     pods = ran_gpu_pods()
+    teams = random.Random(f"queues-{seed}")
     picked = sorted(rng.sample(range(len(pods)), min(config.jobs, len(pods))))
     jobs = []
     for order, i in enumerate(picked):
@@ -168,6 +178,7 @@ def draw_jobs(workers: list[Worker], config: Config, rng: random.Random) -> list
             p.memory_mib / 1024,
             BANDS[p.qos],
             min(float((p.deletion or 0) - (p.scheduled or 0)), config.cap_s),
+            teams.choice(sorted(FAIR_WEIGHTS)),
         )
         if any(w.fits(job.kind) for w in workers):
             jobs.append(job)
@@ -181,7 +192,7 @@ def arrive(jobs: list[Job], gaps: list[float], gpus: int, load: float) -> list[J
     t, out = 0.0, list[Job]()
     for j, gap in zip(jobs, gaps, strict=True):
         t += gap * scale if out else 0.0
-        out.append(Job(j.id, j.order, t, j.gpus, j.cpu, j.mem, j.band, j.duration))
+        out.append(Job(j.id, j.order, t, j.gpus, j.cpu, j.mem, j.band, j.duration, j.queue))
     return out
 
 
@@ -189,7 +200,7 @@ def build(config: Config, seed: int, load: float) -> tuple[list[Worker], list[Jo
     """The seed's cluster and jobs at `load` (a fraction), and the pods dropped."""
     rng = random.Random(seed)
     workers = cluster(load_nodes(), config, rng)
-    jobs = draw_jobs(workers, config, rng)
+    jobs = draw_jobs(workers, config, rng, seed)
     gaps = [rng.expovariate(1.0) for _ in jobs]
     gpus = sum(w.gpus for w in workers)
     return workers, arrive(jobs, gaps, gpus, load), config.jobs - len(jobs)
@@ -199,10 +210,20 @@ def replay(config: Config, seed: int, load: float, policy: str) -> Sim:
     """One replay, checked (every job finished exactly once)."""
     workers, jobs, _ = build(config, seed, load)
     sim = Sim(workers, jobs, seed)
-    core = Core()
-    dispatch = {"pull": pull, "strict": strict(core), "ojs": ojs(core)}[policy]
+    dispatch = dispatcher(policy, Core())
     sim.run(dispatch)
     return sim
+
+
+def dispatcher(policy: str, core: Core) -> Callable[[Sim], None]:
+    """The policy's dispatch function; `fair` is `ojs` with `FAIR_WEIGHTS` as fair-share weights."""
+    if policy == "pull":
+        return pull
+    if policy == "strict":
+        return strict(core)
+    if policy == "fair":
+        return ojs(core, replace(DEFAULT_POLICY, weights=tuple(sorted(FAIR_WEIGHTS.items()))))
+    return ojs(core)
 
 
 def run_one(args: tuple[Config, int, str, int]) -> tuple[int, str, int, dict[str, Any]]:
@@ -257,6 +278,8 @@ def metrics(sim: Sim) -> dict[str, Any]:
         "wait_s": {name: waits_of(ws) for name, ws in groups.items()},
         "idle_while_waiting_pct": 100 * sim.idle_wait_gpu_s / (gpus * makespan),
         "idle_in_total_pct": 100 * sim.idle_total_gpu_s / (gpus * makespan),
+        "idle_if_packed_pct": 100 * sim.idle_capable_gpu_s / (gpus * makespan),
+        "fair_share": fair_share(sim),
         "preemptions": sim.preemptions,
         "lost_gpu_s": sim.lost_gpu_s,
         "lost_pct": 100 * sim.lost_gpu_s / work,
@@ -266,6 +289,22 @@ def metrics(sim: Sim) -> dict[str, Any]:
         "passes": sim.passes,
         "waits": downsample(groups["all"]),
         "waits_big": downsample(groups["big"]),
+    }
+
+
+def fair_share(sim: Sim) -> dict[str, Any]:
+    """Each queue's share of the GPUs held while every queue had a job waiting, and its
+    weight's share (`target`); `gap`: the largest difference, percentage points."""
+    total = sum(sim.contended_gpu_s.values())
+    weight = sum(FAIR_WEIGHTS.get(q, 1.0) for q in sim.queues)
+    shares = {q: 100 * g / total if total else None for q, g in sim.contended_gpu_s.items()}
+    targets = {q: 100 * FAIR_WEIGHTS.get(q, 1.0) / weight for q in sim.queues}
+    gaps = [abs(v - targets[q]) for q, v in shares.items() if v is not None]
+    return {
+        "contended_pct": 100 * sim.contended_s / max(sim.now, 1e-9),
+        "share_pct": shares,
+        "target_pct": targets,
+        "gap_pp": max(gaps) if gaps else None,
     }
 
 
@@ -333,6 +372,7 @@ def print_tables(result: dict[str, Any], loads: list[int], policies: list[str]) 
         "JCT",
         "/LB",
         "idle%",
+        "packed%",
         "idleTot%",
         "util%",
         "mkspan",
@@ -351,6 +391,7 @@ def print_tables(result: dict[str, Any], loads: list[int], policies: list[str]) 
                 _s(m["mean_jct_s"]),
                 f"{m['jct_ratio']:.2f}",
                 f"{m['idle_while_waiting_pct']:.2f}",
+                f"{m['idle_if_packed_pct']:.2f}",
                 f"{m['idle_in_total_pct']:.2f}",
                 f"{m['utilisation_pct']:.1f}",
                 _s(m["makespan_s"]),
@@ -364,3 +405,18 @@ def print_tables(result: dict[str, Any], loads: list[int], policies: list[str]) 
             w = result[str(load)][p]["wait_s"]
             spans = ["/".join(_s(w[b][q]) for q in ("p50", "p99", "max")) for b in bands]
             print(f"{p:>9}" + "".join(f"{c:>20}" for c in spans))
+        print_shares(result[str(load)], policies)
+
+
+def print_shares(by_policy: dict[str, Any], policies: list[str]) -> None:
+    """Per-queue GPU shares while every queue waited, against the weights' shares."""
+    first = by_policy[policies[0]]["fair_share"]["target_pct"]
+    target = " ".join(f"{q} {v:.0f}%" for q, v in first.items())
+    print(f"{'shares':>9}  while every queue had a job waiting (target: {target})")
+    for p in policies:
+        f = by_policy[p]["fair_share"]
+        shares = " ".join(
+            f"{q} {'-' if v is None else f'{v:.0f}%'}" for q, v in f["share_pct"].items()
+        )
+        gap = "-" if f["gap_pp"] is None else f"{f['gap_pp']:.0f} pp"
+        print(f"{p:>9}  {shares}  gap {gap}  (contended {f['contended_pct']:.0f}% of the time)")

@@ -12,6 +12,7 @@ check against its timeline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
@@ -183,13 +184,15 @@ class FleetView:
     def fit_now(self, ask: Ask) -> tuple[Slot, PlacementScore] | None:
         """The best worker where the job may start now, by placement score; None if none.
 
-        Ties go to a worker without a reservation, then to the first in the fleet.
+        Ties go to the worker whose jobs end latest, up to the job's own end
+        (`aligned`), then to a worker without a reservation, then to the first
+        in the fleet.
         """
-        best: tuple[float, bool, int] | None = None
+        best: tuple[float, float, bool, int] | None = None
         found: tuple[Slot, PlacementScore] | None = None
         for group in self.eligible(ask.job):
             for slot, score in self._candidates(ask, group):
-                rank = (score.total, not slot.reserved, -slot.idx)
+                rank = (score.total, aligned(slot, ask.end), not slot.reserved, -slot.idx)
                 if best is None or rank > best:
                     best, found = rank, (slot, score)
         return found
@@ -198,7 +201,10 @@ class FleetView:
         out = []
         for shape, members in group.buckets.items():
             if self._fits(ask, group, shape):
-                out.append((self.slots[next(iter(members))], self.score(ask, group, shape)))
+                slots = (self.slots[i] for i in members)
+                # idle workers all drain now: the first one is as good as any
+                slot = next(slots) if shape[2] else max(slots, key=lambda s: aligned(s, ask.end))
+                out.append((slot, self.score(ask, group, shape)))
         for i in group.reserved:
             slot = self.slots[i]
             if slot.closed:
@@ -300,6 +306,17 @@ class FleetView:
             group.reserved[slot.idx] = None
         else:
             group.buckets.setdefault(slot.shape(), {})[slot.idx] = None
+
+
+def aligned(slot: Slot, end: float | None) -> float:
+    """How much of a job ending at `end` (None: never known) overlaps the time its worker
+    stays busy anyway: the earlier of the two ends (higher is better).
+
+    Among equal placements a job goes where the jobs already running outlast
+    it, so a long job joins other long ones and the workers that drain soon
+    stay free to drain for a large job (best fit in time).
+    """
+    return min(slot.drain_at(), math.inf if end is None else end)
 
 
 def share_fits(req: MLRequirements, caps: Capabilities, free: tuple[int, ...] | None) -> bool:

@@ -9,6 +9,7 @@ rebuilt cannot drift from the decisions it describes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -65,6 +66,7 @@ class Slot:
     """A worker's state in this pass (see module doc)."""
 
     __slots__ = (
+        "_drain",
         "_shape",
         "_timeline",
         "added_labels",
@@ -111,6 +113,7 @@ class Slot:
         self.version = 0
         self._timeline: Timeline | None = None
         self._shape: Shape | None = None
+        self._drain: float | None = None
 
     def _capacity(self) -> Vec:
         """Everything the worker can hand out once idle."""
@@ -192,20 +195,36 @@ class Slot:
             self._timeline = self._build()
         return self._timeline
 
+    def drain_at(self) -> float:
+        """When every job on it (running or assigned this pass) will have ended.
+
+        `now` for an idle worker; infinity when one of them has no time limit.
+        """
+        if self._drain is None:
+            ends = [self._end_of(r) for r in self.state.running]
+            ends += [end for _, end in self.assigned]
+            self._drain = max((math.inf if e is None else e for e in ends), default=self.now)
+        return self._drain
+
+    def _end_of(self, r: RunningJob) -> float | None:
+        end = r.ends_at
+        if end is not None and end <= self.now:
+            end = self.now + self.overdue_s
+        if r.task_id in self.victims:
+            gone = self.now + self.grace_s
+            end = gone if end is None else min(end, gone)
+        return end
+
     def _changed(self) -> None:
         self.version += 1
         self._timeline = None
         self._shape = None
+        self._drain = None
 
     def _build(self) -> Timeline:
         tl = Timeline(self.now, self.free)
-        soon, gone = self.now + self.overdue_s, self.now + self.grace_s
         for r in self.state.running:
-            end = r.ends_at
-            if end is not None and end <= self.now:
-                end = soon  # past its limit: expected to end shortly
-            if r.task_id in self.victims:
-                end = gone if end is None else min(end, gone)
+            end = self._end_of(r)  # past its limit: expected to end shortly
             if end is not None:
                 tl.add(end, self._release_of(r))
         for amount, end in self.assigned:

@@ -183,3 +183,24 @@ def test_a_tie_goes_to_the_worker_without_a_reservation() -> None:
     )
     assert decision.reservations[0].worker == "reserved"
     assert decision.assigned() == {"short": "plain"}
+
+
+def test_among_equal_placements_a_long_job_joins_the_worker_that_stays_busy_longest() -> None:
+    """Best fit in time: the worker that drains soon stays free for a large job.
+
+    Both workers are in the same free shape (same FGD score); the one whose
+    running job ends in 20 h takes the 10 h job, in either fleet order.
+    """
+    soon = worker("soon", jobs=[running("a", gpu_count=4, limit=600 + 3_600)])
+    late = worker("late", jobs=[running("b", gpu_count=4, limit=600 + 72_000)])
+    for fleet in ([soon, late], [late, soon]):
+        decision = decide([job("ten-hours", gpu_count=1, limit=36_000)], fleet)
+        assert decision.assigned() == {"ten-hours": "late"}
+
+
+def test_a_job_that_ends_before_every_worker_drains_keeps_the_fleet_order() -> None:
+    soon = worker("soon", jobs=[running("a", gpu_count=4, limit=600 + 3_600)])
+    late = worker("late", jobs=[running("b", gpu_count=4, limit=600 + 72_000)])
+    for fleet in ([soon, late], [late, soon]):
+        decision = decide([job("short", gpu_count=1, limit=600)], fleet)
+        assert decision.assigned() == {"short": fleet[0].name}
