@@ -40,15 +40,39 @@ def plot(mode: str, result: dict[str, Any], path: str) -> None:
             "--plot needs matplotlib, a bench-only extra: pip install -e '.[bench]'"
         ) from None
     panels = [k for k in result if k != "meta"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
+    extra = 2 if mode == "time" else 0
+    fig, axes = plt.subplots(
+        1, len(panels) + extra, figsize=(5 * (len(panels) + extra), 4), squeeze=False
+    )
+    for ax, panel in zip(axes[0], panels, strict=False):
         if mode == "fgd":
             _alloc(ax, panel, result[panel])
         else:
             _waits(ax, panel, result[panel])
+    if extra:
+        loads = {int(k): v for k, v in result.items() if k != "meta"}
+        _by_load(axes[0][-2], loads, "idle_if_packed_pct", "GPU idle while a job could use it")
+        _by_load(axes[0][-1], loads, "big_max_h", "worst wait, jobs of >= 4 GPUs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _by_load(ax: Any, loads: dict[int, dict[str, Any]], key: str, title: str) -> None:
+    """One figure of every policy against the load (`big_max_h`: the big jobs' max wait)."""
+    policies = list(next(iter(loads.values())))
+    for policy in policies:
+        xs = sorted(loads)
+        if key == "big_max_h":
+            ys = [(loads[x][policy]["wait_s"]["big"]["max"] or 0.0) / 3600 for x in xs]
+        else:
+            ys = [loads[x][policy][key] for x in xs]
+        ax.plot(xs, ys, marker="o", label=policy, color=COLOURS.get(policy))
+    ax.set_title(title)
+    ax.set_xlabel("load, % of GPU capacity")
+    ax.set_ylabel("hours" if key == "big_max_h" else "% of GPU-seconds (if packed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def _alloc(ax: Any, workload: str, by_policy: dict[str, dict[str, float]]) -> None:

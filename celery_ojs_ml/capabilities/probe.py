@@ -15,7 +15,8 @@ Key decisions:
   the type of the lowest index), with count, VRAM and compute capability of that
   group, so the worker never promises a job N GPUs of a type it has fewer of.
   `labels["gpu_heterogeneous"] = "true"` and `labels["gpu_types"]` record the
-  mix; `probe_devices()` lists every device for the allocator.
+  mix; `probe_devices()` lists every device, and `advertised_tokens()` maps
+  the allocator's indices onto the advertised model's devices only.
 * Interconnect is `nvlink` when any device of the group has an active NVLink
   link, `pcie` otherwise; it is left unset for a single GPU (§3.2).
 """
@@ -138,6 +139,39 @@ def probe_devices(
     return select_visible(found, tokens)
 
 
+def advertised_tokens(
+    nvml: Any | None = None, env: dict[str, str] | None = None
+) -> list[str] | None:
+    """How the worker's allocation indices name devices: the advertised group's devices.
+
+    On a host with one GPU model this is `visible_tokens` (None: index i is
+    device i). On a mixed host the worker advertises the most common model
+    only (`summarise_gpus`), so allocation index i must be the i-th device of
+    that model, named as CUDA_VISIBLE_DEVICES names it (the inherited token,
+    else the NVML index, which `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes CUDA's).
+    """
+    tokens = visible_tokens(env)
+    found = probe_devices(nvml, visible=False)
+    if tokens is None:
+        pairs = [(str(d.index), d) for d in found]
+    else:
+        by_name = {str(d.index): d for d in found} | {d.uuid: d for d in found if d.uuid}
+        pairs = [(t, by_name[t]) for t in tokens if t in by_name]
+    gpu_type = _advertised_type([d for _, d in pairs])
+    if gpu_type is None or all(d.gpu_type == gpu_type for _, d in pairs):
+        return tokens
+    return [t for t, d in pairs if d.gpu_type == gpu_type]
+
+
+def _advertised_type(devices: list[GpuDevice]) -> str | None:
+    """The most common model (ties: the model of the first device); None without devices."""
+    if not devices:
+        return None
+    counts = Counter(d.gpu_type for d in devices)
+    top = max(counts.values())
+    return next(d.gpu_type for d in devices if counts[d.gpu_type] == top)
+
+
 def probe(
     *,
     nvml: Any | None = None,
@@ -157,8 +191,7 @@ def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict
     if not devices:
         return None, {}
     counts = Counter(d.gpu_type for d in devices)
-    top = max(counts.values())
-    gpu_type = next(d.gpu_type for d in devices if counts[d.gpu_type] == top)
+    gpu_type = _advertised_type(devices) or ""
     group = [d for d in devices if d.gpu_type == gpu_type]
     labels = {}
     if len(counts) > 1:

@@ -126,16 +126,22 @@ def resolve_capabilities(
     None falls back to the `OJS_ML_CAPABILITIES` environment variable, then to
     `auto` (probe this machine).
     """
-    if value is None:
-        value = (os.environ if env is None else env).get(ENV_VAR) or "auto"
-    value = value.strip()
-    if value.lower() == "auto" or not value:
+    if is_probed(value, env=env):
         return probe()
+    value = (value or (os.environ if env is None else env).get(ENV_VAR) or "").strip()
     if value.startswith(("{", "[")):
         return parse_capabilities(_json(value))
     if value.startswith("profile:"):
         return parse_capabilities(profile(value.removeprefix("profile:").strip()))
     return parse_capabilities(_load_file(Path(value)))
+
+
+def is_probed(value: str | None, *, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `resolve_capabilities(value)` probes this machine (`auto`)."""
+    if value is None:
+        value = (os.environ if env is None else env).get(ENV_VAR) or "auto"
+    value = value.strip()
+    return value.lower() == "auto" or not value
 
 
 def _json(text: str) -> Any:

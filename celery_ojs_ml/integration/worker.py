@@ -27,7 +27,8 @@ from celery import Celery, bootsteps, signals
 
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
-from celery_ojs_ml.capabilities.probe import visible_tokens
+from celery_ojs_ml.capabilities.probe import advertised_tokens, visible_tokens
+from celery_ojs_ml.capabilities.profiles import is_probed
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child, warm_pool
 from celery_ojs_ml.integration.admission import Admission
@@ -110,7 +111,8 @@ def configure_child_recycling(
     caps = capabilities_for(options.get("ojs_ml_capabilities"))
     pool = options.get("pool_cls") or (conf.worker_pool if conf is not None else None)
     child.RECYCLE["mode"] = "never"
-    child.VISIBLE["tokens"] = visible_tokens()
+    value = options.get("ojs_ml_capabilities")
+    child.VISIBLE["tokens"] = advertised_tokens() if is_probed(value) else visible_tokens()
     if child.VISIBLE["tokens"] is not None and len(child.VISIBLE["tokens"]) < caps.gpu_count:
         log.error(
             "ojs-ml: the worker has %d GPUs but CUDA_VISIBLE_DEVICES names %d; tasks on the "

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from celery_ojs_ml.capabilities.probe import probe_devices, visible_tokens
+from celery_ojs_ml.capabilities.probe import (
+    advertised_tokens,
+    probe,
+    probe_devices,
+    visible_tokens,
+)
 from celery_ojs_ml.integration import child
 from celery_ojs_ml.testing.fake_nvml import FakeNVML
-from tests.capabilities.test_probe import A100_80GB
+from tests.capabilities.test_probe import A100_80GB, T4, FakePsutil
 
 
 @pytest.mark.parametrize(
@@ -41,3 +46,38 @@ def test_pinning_maps_allocation_indices_to_the_workers_own_devices() -> None:
     finally:
         child.VISIBLE["tokens"] = None
     assert child.pinned([0, 1]) == "0,1"
+
+
+def mixed() -> FakeNVML:
+    """NVML order: A100, A100, T4, A100 (the advertised model is the A100, 3 of them)."""
+    a100 = FakeNVML.of(A100_80GB, 4).devices
+    t4 = FakeNVML.of(T4, 3).devices[2]
+    return FakeNVML([a100[0], a100[1], t4, a100[3]])
+
+
+def test_on_a_mixed_host_allocation_indices_name_only_the_advertised_models_devices() -> None:
+    """Issue 13: the worker advertises 3 A100s; allocation index 2 is NVML device 3,
+    never the T4 at index 2."""
+    nvml = mixed()
+    caps = probe(nvml=nvml, psutil_mod=FakePsutil())
+    assert caps.gpu is not None and (caps.gpu.type, caps.gpu.count) == ("nvidia-a100", 3)
+    tokens = advertised_tokens(nvml, env={})
+    assert tokens == ["0", "1", "3"]
+    child.VISIBLE["tokens"] = tokens
+    try:
+        assert child.pinned([0, 1, 2]) == "0,1,3"
+    finally:
+        child.VISIBLE["tokens"] = None
+
+
+def test_on_a_mixed_host_an_inherited_visible_list_keeps_its_own_names() -> None:
+    nvml = mixed()
+    env = {"CUDA_VISIBLE_DEVICES": "GPU-fake-0002,3,1"}  # the T4 by UUID, then two A100s
+    assert advertised_tokens(nvml, env=env) == ["3", "1"]
+
+
+def test_on_a_host_of_one_model_the_tokens_are_the_inherited_ones() -> None:
+    nvml = FakeNVML.of(A100_80GB, 4)
+    assert advertised_tokens(nvml, env={}) is None
+    assert advertised_tokens(nvml, env={"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert advertised_tokens(FakeNVML([]), env={"CUDA_VISIBLE_DEVICES": "1"}) == ["1"]
