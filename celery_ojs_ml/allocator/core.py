@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from celery_ojs_ml.allocator.devices import pick_devices
+from celery_ojs_ml.allocator.devices import Peers, pick_devices, pick_peers
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
     Allocation,
@@ -33,7 +33,13 @@ from celery_ojs_ml.allocator.model import (
     preemptible_of,
     rank,
 )
-from celery_ojs_ml.allocator.policy import blocker, choose_victims, counted_reasons, is_victim
+from celery_ojs_ml.allocator.policy import (
+    blocker,
+    choose_victims,
+    counted_reasons,
+    is_victim,
+    peer_reasons,
+)
 from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
 from celery_ojs_ml.allocator.sharing import (
     FULL,
@@ -100,8 +106,11 @@ class Allocator:
         reserve_memory_gb: float = 0,
         allow_on_demand_preemption: bool = False,
         gpu_sharing: bool = False,
+        nvlink_peers: Peers | None = None,
     ) -> None:
         self._caps = caps
+        self._peers = nvlink_peers
+        """NVLink peers per device (`allocator.devices.Peers`); None: not known, any set."""
         self._ledger = ShareLedger(caps.gpu_count) if gpu_sharing else None
         """Milli-GPU per device (`allocator.sharing`); None: sharing off, whole GPUs only."""
         self._clock = clock
@@ -391,7 +400,7 @@ class Allocator:
         alike jobs matches each (request, shape) once. The cache keeps the
         request object alive, so its `id` cannot be reused while cached.
         """
-        if self._pools:
+        if self._pools or self._wants_peers(req):  # device sets matter, not counts alone
             return self._assess(req, ())
         key = (id(req), self.capacity_key())
         hit = self._assessed.get(key)
@@ -418,6 +427,9 @@ class Allocator:
             reasons += share_reasons(req, self._caps, self._ledger is not None, milli)
             want = self._share_want(req, want, milli)
         reasons += counted_reasons(want, total, free)
+        if not reasons and self._wants_peers(req) and self._peers is not None:
+            taken = self._taken(released)
+            reasons += peer_reasons(want.gpus, self._peers, self._caps.gpu_count, taken)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
         if never:
             return _Assessment(Verdict.NEVER, never, _join(never))
@@ -439,10 +451,29 @@ class Allocator:
         milli = share_milli(req, self._caps) if self._ledger is not None else None
         if milli is not None:
             return (share_device(self.gpu_free_milli(), milli, prefer),), milli
-        taken = {i for a in self.allocations() for i in a.devices}
+        taken = self._taken(())
         free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
         warm = [tuple(s) for s in prefer if len(s) == want.gpus and not set(s) & taken]
+        if self._wants_peers(req) and self._peers is not None:
+            warm = [s for s in warm if all(j in self._peers[i] for i in s for j in s if i != j)]
+            linked = warm[0] if warm else pick_peers(free_devices, want.gpus, self._peers)
+            if linked is None:
+                raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
+            return linked, 0
         return (warm[0] if warm and want.gpus else pick_devices(free_devices, want.gpus)), 0
+
+    def _taken(self, released: Collection[Allocation]) -> set[int]:
+        gone = {a.key for a in released}
+        return {i for a in self.allocations() if a.key not in gone for i in a.devices}
+
+    def _wants_peers(self, req: MLRequirements) -> bool:
+        """Whether the job's GPUs must be NVLink peers (and the worker knows its links)."""
+        return (
+            self._peers is not None
+            and req.ext_ml_gpu_interconnect == "nvlink"
+            and (req.ext_ml_gpu_count or 0) > 1
+            and gpu_share(req) is None
+        )
 
     def _start(self, p: Pending) -> Allocation:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import RESOURCE_NAMES, Allocation, Demand, Pending, rank
 from celery_ojs_ml.matching import Reason, Verdict
 from celery_ojs_ml.matching.filters import fmt
@@ -47,6 +48,22 @@ def counted_reasons(want: Demand, total: Demand, free: Demand) -> list[Reason]:
             template = resource + " free {a} < {r}"
             out.append(Reason(resource, asked, left, cap, Verdict.WAIT, template))
     return out
+
+
+def peer_reasons(count: int, peers: Peers, devices: int, taken: set[int]) -> list[Reason]:
+    """`gpu_interconnect` for a job whose `count` GPUs must be NVLink peers: NEVER when the
+    worker has no such set, WAIT when none is free (devices in `taken` are busy)."""
+    most = largest_peer_set(range(devices), peers)
+    if count > most:
+        return [Reason("gpu_interconnect", count, most, most, Verdict.NEVER, _PEERS_NEVER)]
+    free = largest_peer_set((i for i in range(devices) if i not in taken), peers)
+    if count > free:
+        return [Reason("gpu_interconnect", count, free, most, Verdict.WAIT, _PEERS_WAIT)]
+    return []
+
+
+_PEERS_NEVER = "gpu_interconnect: NVLink-peer GPUs {a} < {r}"
+_PEERS_WAIT = "gpu_interconnect: NVLink-peer GPUs free {a} < {r}"
 
 
 def blocker(want: Demand, free: Demand, ahead: Sequence[Pending]) -> str | None:

@@ -103,6 +103,9 @@ class GpuCapability(CapabilityModel):
     """§3.2 NVIDIA compute capability, `major.minor`; filled from the catalogue if undeclared."""
     interconnect: Interconnect | None = None
     """§3.2 link between the devices: `nvlink` or `pcie`; None when unknown or single GPU."""
+    nvlink_group: int | None = Field(default=None, ge=2)
+    """The most devices that are all NVLink peers of each other, when fewer than `count`
+    (the probe reads it from NVML: bridged pairs give 2); None: all of them."""
 
     @model_validator(mode="before")
     @classmethod

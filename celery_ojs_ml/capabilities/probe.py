@@ -17,20 +17,25 @@ Key decisions:
   `labels["gpu_heterogeneous"] = "true"` and `labels["gpu_types"]` record the
   mix; `probe_devices()` lists every device, and `advertised_tokens()` maps
   the allocator's indices onto the advertised model's devices only.
-* Interconnect is `nvlink` when any device of the group has an active NVLink
-  link, `pcie` otherwise; it is left unset for a single GPU (§3.2).
+* Interconnect is `nvlink` when at least two devices of the group are NVLink
+  peers (NVML's P2P status; without it, when any device has an active NVLink
+  link), `pcie` otherwise; it is left unset for a single GPU (§3.2). When the
+  peers form smaller islands (bridged pairs), `nvlink_group` says how many
+  devices one job can get all linked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from celery_ojs_ml.capabilities.links import largest_peer_set
 from celery_ojs_ml.capabilities.model import VRAM_SNAP, Capabilities, GpuCapability
 from celery_ojs_ml.spec.catalogue import GPU_MODELS, gpu_model
 
@@ -56,6 +61,8 @@ class GpuDevice:
     memory_gb: float
     compute_capability: str | None
     nvlink: bool
+    peers: frozenset[int] | None = None
+    """NVML indices of the devices it reaches over NVLink (NVML P2P status); None: unknown."""
 
 
 def gib_floor(n_bytes: float) -> float:
@@ -150,6 +157,29 @@ def advertised_tokens(
     that model, named as CUDA_VISIBLE_DEVICES names it (the inherited token,
     else the NVML index, which `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes CUDA's).
     """
+    tokens, pairs, mixed = _advertised(nvml, env)
+    return [t for t, _ in pairs] if mixed else tokens
+
+
+def advertised_peers(
+    nvml: Any | None = None, env: dict[str, str] | None = None
+) -> list[frozenset[int]] | None:
+    """NVLink peers of each allocation index, as allocation indices; None when unknown."""
+    _, pairs, _ = _advertised(nvml, env)
+    devices = [d for _, d in pairs]
+    if not devices or any(d.peers is None for d in devices):
+        return None
+    return [
+        frozenset(q for q, other in enumerate(devices) if other.index in (d.peers or ()))
+        for d in devices
+    ]
+
+
+def _advertised(
+    nvml: Any | None, env: dict[str, str] | None
+) -> tuple[list[str] | None, list[tuple[str, GpuDevice]], bool]:
+    """The visible tokens, (token, device) of the advertised model in allocation order,
+    and whether the host mixes models."""
     tokens = visible_tokens(env)
     found = probe_devices(nvml, visible=False)
     if tokens is None:
@@ -158,9 +188,8 @@ def advertised_tokens(
         by_name = {str(d.index): d for d in found} | {d.uuid: d for d in found if d.uuid}
         pairs = [(t, by_name[t]) for t in tokens if t in by_name]
     gpu_type = _advertised_type([d for _, d in pairs])
-    if gpu_type is None or all(d.gpu_type == gpu_type for _, d in pairs):
-        return tokens
-    return [t for t, d in pairs if d.gpu_type == gpu_type]
+    group = [(t, d) for t, d in pairs if d.gpu_type == gpu_type]
+    return tokens, group, len(group) != len(pairs)
 
 
 def _advertised_type(devices: list[GpuDevice]) -> str | None:
@@ -202,9 +231,10 @@ def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict
 def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
     ccs = [d.compute_capability for d in group if d.compute_capability]
     complete = len(ccs) == len(group)
-    interconnect = None
+    interconnect, linked = None, _linked(group)
     if len(group) > 1:
-        interconnect = "nvlink" if any(d.nvlink for d in group) else "pcie"
+        nvlink = any(d.nvlink for d in group) if linked is None else linked >= 2
+        interconnect = "nvlink" if nvlink else "pcie"
     return GpuCapability.model_validate(
         {
             "type": gpu_type,
@@ -212,8 +242,17 @@ def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
             "memory_gb": min(d.memory_gb for d in group),
             "compute_capability": _lowest_cc(ccs) if complete else None,
             "interconnect": interconnect,
+            "nvlink_group": linked if linked and 2 <= linked < len(group) else None,
         }
     )
+
+
+def _linked(group: list[GpuDevice]) -> int | None:
+    """The most devices of `group` that are all NVLink peers; None when peers are unknown."""
+    if any(d.peers is None for d in group):
+        return None
+    peers = [frozenset(q for q, o in enumerate(group) if o.index in (d.peers or ())) for d in group]
+    return largest_peer_set(range(len(group)), peers)
 
 
 def _lowest_cc(ccs: list[str]) -> str:
@@ -241,21 +280,44 @@ def _shutdown(module: Any, errors: tuple[type[BaseException], ...]) -> None:
 
 
 def _read_devices(module: Any, errors: tuple[type[BaseException], ...]) -> list[GpuDevice]:
-    devices = []
+    read: list[tuple[GpuDevice, Any]] = []
     for index in range(module.nvmlDeviceGetCount()):
         try:
-            devices.append(_read_device(module, index, errors))
+            read.append(_read_device(module, index, errors))
         except errors:
             continue
-    return devices
+    peers = _nvlink_peers(module, read, errors)
+    return [replace(d, peers=None if peers is None else peers[d.index]) for d, _ in read]
 
 
-def _read_device(module: Any, index: int, errors: tuple[type[BaseException], ...]) -> GpuDevice:
+def _nvlink_peers(
+    module: Any, read: list[tuple[GpuDevice, Any]], errors: tuple[type[BaseException], ...]
+) -> dict[int, frozenset[int]] | None:
+    """Each device's NVLink peers by NVML's P2P status (NVSwitch boards included)."""
+    status = getattr(module, "nvmlDeviceGetP2PStatus", None)
+    if status is None:
+        return None
+    cap = getattr(module, "NVML_P2P_CAPS_INDEX_NVLINK", 3)
+    ok = getattr(module, "NVML_P2P_STATUS_OK", 0)
+    peers: dict[int, set[int]] = {d.index: set() for d, _ in read}
+    try:
+        for (a, ha), (b, hb) in itertools.combinations(read, 2):
+            if status(ha, hb, cap) == ok:
+                peers[a.index].add(b.index)
+                peers[b.index].add(a.index)
+    except errors:
+        return None
+    return {i: frozenset(p) for i, p in peers.items()}
+
+
+def _read_device(
+    module: Any, index: int, errors: tuple[type[BaseException], ...]
+) -> tuple[GpuDevice, Any]:
     handle = module.nvmlDeviceGetHandleByIndex(index)
     name = _text(module.nvmlDeviceGetName(handle))
     gpu_type = gpu_type_from_name(name)
     total = module.nvmlDeviceGetMemoryInfo(handle).total
-    return GpuDevice(
+    device = GpuDevice(
         index=index,
         name=name,
         uuid=_optional(lambda: _text(module.nvmlDeviceGetUUID(handle)), errors),
@@ -264,6 +326,7 @@ def _read_device(module: Any, index: int, errors: tuple[type[BaseException], ...
         compute_capability=_optional(lambda: _cc(module, handle), errors),
         nvlink=_has_nvlink(module, handle, errors),
     )
+    return device, handle
 
 
 def _text(value: str | bytes) -> str:

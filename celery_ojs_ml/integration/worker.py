@@ -27,7 +27,7 @@ from celery import Celery, bootsteps, signals
 
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resolve_capabilities
-from celery_ojs_ml.capabilities.probe import advertised_tokens, visible_tokens
+from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child, warm_pool
@@ -77,6 +77,14 @@ def capabilities_for(value: str | None) -> Capabilities:
     if caps is None:
         caps = _CAPS_CACHE[value] = resolve_capabilities(value)
     return caps
+
+
+def nvlink_peers_for(value: str | None, caps: Capabilities) -> list[frozenset[int]] | None:
+    """The NVLink peers of each allocation index, for a probed worker whose GPUs have NVLink
+    (`probe.advertised_peers`); None for declared capabilities (any set is linked)."""
+    if not is_probed(value) or caps.gpu is None or caps.gpu.interconnect != "nvlink":
+        return None
+    return advertised_peers()
 
 
 def is_prefork(pool: Any) -> bool:
@@ -201,6 +209,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self.caps,
             allow_on_demand_preemption=self.settings.allow_on_demand_preemption,
             gpu_sharing=self.settings.gpu_sharing != "off",
+            nvlink_peers=nvlink_peers_for(ojs_ml_capabilities, self.caps),
         )
         self.preemptions = Preemptions(self)
         self.hold_until: dict[Any, float] = {}

@@ -154,6 +154,13 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
             g.interconnect,
             "gpu_interconnect {a} != {r}",
         )
+    elif req.ext_ml_gpu_interconnect == "nvlink" and g.nvlink_group and count > g.nvlink_group:
+        yield _never(
+            "gpu_interconnect",
+            count,
+            g.nvlink_group,
+            "gpu_interconnect: NVLink-peer GPUs {a} < {r}",
+        )
     # A share (`ojs_ml_gpu_share`) needs milli-GPU on one device, not a whole free GPU:
     # the allocator and the scheduler's fit check judge that per device.
     shared = gpu_share(req) is not None

@@ -8,7 +8,7 @@ numbers production sees.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -50,6 +50,9 @@ class FakeNVML:
     NVML_NVLINK_MAX_LINKS = 18
     NVML_FEATURE_DISABLED = 0
     NVML_FEATURE_ENABLED = 1
+    NVML_P2P_CAPS_INDEX_NVLINK = 3
+    NVML_P2P_STATUS_OK = 0
+    NVML_P2P_STATUS_NOT_SUPPORTED = 5
 
     def __init__(
         self,
@@ -57,8 +60,12 @@ class FakeNVML:
         *,
         driver: bool = True,
         init_error: type[BaseException] | None = None,
+        nvlink_pairs: Iterable[tuple[int, int]] | None = None,
     ) -> None:
+        """`nvlink_pairs`: the device indices linked by NVLink; None: every device with
+        NVLink links reaches every other one (an NVSwitch board)."""
         self.devices = list(devices)
+        self.nvlink_pairs = None if nvlink_pairs is None else {frozenset(p) for p in nvlink_pairs}
         self.driver = driver
         self.init_error = init_error
         self.initialised = False
@@ -109,6 +116,20 @@ class FakeNVML:
         if link >= handle.nvlink_links:
             raise NVMLError("Not Supported")
         return self.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetP2PStatus(self, first: FakeGpu, second: FakeGpu, index: int) -> int:
+        self._require_init()
+        if index != self.NVML_P2P_CAPS_INDEX_NVLINK:
+            raise NVMLError("Not Supported")
+        i, j = self._index(first), self._index(second)
+        if self.nvlink_pairs is None:
+            linked = first.nvlink_links > 0 and second.nvlink_links > 0
+        else:
+            linked = frozenset({i, j}) in self.nvlink_pairs
+        return self.NVML_P2P_STATUS_OK if linked else self.NVML_P2P_STATUS_NOT_SUPPORTED
+
+    def _index(self, handle: FakeGpu) -> int:
+        return next(n for n, d in enumerate(self.devices) if d is handle)
 
     def _require_init(self) -> None:
         if not self.initialised:

@@ -53,6 +53,7 @@ def test_eight_nvlink_a100s_are_one_nvlink_gpu_group() -> None:
         "memory_gb": 80,
         "compute_capability": "8.0",
         "interconnect": "nvlink",
+        "nvlink_group": None,  # an NVSwitch board: all eight are peers of each other
     }
     assert worker.labels == {}
 
@@ -112,8 +113,26 @@ def test_mixed_gpus_in_equal_numbers_advertise_the_type_of_the_first_device() ->
 
 def test_probe_devices_lists_each_device_for_the_allocator() -> None:
     assert probe_devices(FakeNVML.of(A100_80GB, 2)) == [
-        GpuDevice(0, "NVIDIA A100-SXM4-80GB", "GPU-fake-0000", "nvidia-a100", 80, "8.0", True),
-        GpuDevice(1, "NVIDIA A100-SXM4-80GB", "GPU-fake-0001", "nvidia-a100", 80, "8.0", True),
+        GpuDevice(
+            0,
+            "NVIDIA A100-SXM4-80GB",
+            "GPU-fake-0000",
+            "nvidia-a100",
+            80,
+            "8.0",
+            True,
+            frozenset({1}),
+        ),
+        GpuDevice(
+            1,
+            "NVIDIA A100-SXM4-80GB",
+            "GPU-fake-0001",
+            "nvidia-a100",
+            80,
+            "8.0",
+            True,
+            frozenset({0}),
+        ),
     ]
 
 
