@@ -22,7 +22,8 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from celery_ojs_ml.allocator.devices import Peers, pick_devices, pick_peers
+from celery_ojs_ml.allocator.choice import choose_whole, share_want, wants_peers
+from celery_ojs_ml.allocator.devices import Peers
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
     Allocation,
@@ -42,10 +43,8 @@ from celery_ojs_ml.allocator.policy import (
 )
 from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
 from celery_ojs_ml.allocator.sharing import (
-    FULL,
     ShareLedger,
     device_free,
-    pick_share,
     share_device,
     share_milli,
     share_reasons,
@@ -400,7 +399,7 @@ class Allocator:
         alike jobs matches each (request, shape) once. The cache keeps the
         request object alive, so its `id` cannot be reused while cached.
         """
-        if self._pools or self._wants_peers(req):  # device sets matter, not counts alone
+        if self._pools or wants_peers(req, self._peers):  # device sets matter, not counts alone
             return self._assess(req, ())
         key = (id(req), self.capacity_key())
         hit = self._assessed.get(key)
@@ -425,9 +424,9 @@ class Allocator:
         if gpu_share(req) is not None:
             milli = self.gpu_free_milli(released)
             reasons += share_reasons(req, self._caps, self._ledger is not None, milli)
-            want = self._share_want(req, want, milli)
+            want = share_want(req, self._caps, want, milli)
         reasons += counted_reasons(want, total, free)
-        if not reasons and self._wants_peers(req) and self._peers is not None:
+        if not reasons and self._peers is not None and wants_peers(req, self._peers):
             taken = self._taken(released)
             reasons += peer_reasons(want.gpus, self._peers, self._caps.gpu_count, taken)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
@@ -438,42 +437,22 @@ class Allocator:
         why = blocker(want, free, ahead)
         return _Assessment(Verdict.WAIT, (), why) if why else _Assessment(Verdict.FITS, (), "")
 
-    def _share_want(self, req: MLRequirements, want: Demand, free: Sequence[int]) -> Demand:
-        """A share that would open an untouched device takes a whole GPU from whole jobs."""
-        milli = share_milli(req, self._caps)
-        device = None if milli is None else pick_share(free, milli)
-        return want if device is None or free[device] < FULL else replace(want, gpus=1)
-
     def _devices(
         self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]
     ) -> tuple[tuple[int, ...], int]:
-        """The devices a job takes (warm sets first, then best fit) and its milli (0: whole)."""
+        """The devices a job takes (`allocator.choice`) and its milli (0: whole GPUs)."""
         milli = share_milli(req, self._caps) if self._ledger is not None else None
         if milli is not None:
             return (share_device(self.gpu_free_milli(), milli, prefer),), milli
-        taken = self._taken(())
-        free_devices = [i for i in range(self._caps.gpu_count) if i not in taken]
-        warm = [tuple(s) for s in prefer if len(s) == want.gpus and not set(s) & taken]
-        if self._wants_peers(req) and self._peers is not None:
-            warm = [s for s in warm if all(j in self._peers[i] for i in s for j in s if i != j)]
-            linked = warm[0] if warm else pick_peers(free_devices, want.gpus, self._peers)
-            if linked is None:
-                raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
-            return linked, 0
-        return (warm[0] if warm and want.gpus else pick_devices(free_devices, want.gpus)), 0
+        peers = self._peers if wants_peers(req, self._peers) else None
+        found = choose_whole(self._caps.gpu_count, self._taken(()), want.gpus, prefer, peers)
+        if found is None:
+            raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
+        return found, 0
 
     def _taken(self, released: Collection[Allocation]) -> set[int]:
         gone = {a.key for a in released}
         return {i for a in self.allocations() if a.key not in gone for i in a.devices}
-
-    def _wants_peers(self, req: MLRequirements) -> bool:
-        """Whether the job's GPUs must be NVLink peers (and the worker knows its links)."""
-        return (
-            self._peers is not None
-            and req.ext_ml_gpu_interconnect == "nvlink"
-            and (req.ext_ml_gpu_count or 0) > 1
-            and gpu_share(req) is None
-        )
 
     def _start(self, p: Pending) -> Allocation:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
