@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 from celery import Celery
@@ -60,9 +61,12 @@ class Pair:
 def pair(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Pair]:
     store = OJSStore(redis_client, prefix="ojs")
     env = {"OJS_TEST_LEASE_TTL": "2", "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
+    # The stalled worker's `ml.record` sleeps 30 times longer: its copy must still be
+    # running when the fence comes, however long the takeover takes on a loaded machine.
+    slow = {**env, "OJS_TEST_SLEEP_SCALE": "30"}
     workers = [
-        WorkerProcess(name, redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=env)
-        for name in ("stall", "taker")
+        WorkerProcess(name, redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=extra)
+        for name, extra in (("stall", slow), ("taker", env))
     ]
     found = Pair(store, LeaseBook(store, ttl_s=2), *workers, make_app(redis_url))
     try:
@@ -117,21 +121,30 @@ def test_a_stalled_worker_kills_a_copy_that_commits_nothing_at_its_next_heartbea
     pair: Pair, redis_client: redis.Redis
 ) -> None:
     leases, stall = pair.leases, pair.stall
-    # The job must outlast the takeover, which may take up to 60 s below on a loaded
-    # machine: with 40 s a fresh-clone run once saw the stalled copy finish first.
-    job = pair.app.tasks["ml.record"].apply_async(args=["fenced", 75.0])
+    # 20 s on the taker, 600 s on the stalled worker (`pair`): the stalled copy is still
+    # running when the fence comes (with one duration for both, a loaded fresh-clone run
+    # once saw the stalled copy finish before the takeover).
+    job = pair.app.tasks["ml.record"].apply_async(args=["fenced", 20.0])
     _until(lambda: (leases.get(job.id) or {}).get("worker") == "stall@test", 30, "the lease")
     assert stall.proc is not None
+    copies = _children(stall.proc.pid)
     os.kill(stall.proc.pid, signal.SIGSTOP)
     pair.taker.start().wait_live(pair.store)
     _until(lambda: (leases.get(job.id) or {}).get("worker") == "taker@test", 60, "takeover")
     os.kill(stall.proc.pid, signal.SIGCONT)
     _until(lambda: "stopped this copy of" in stall.output(), 20, "the fence")
+    # The pool child that ran the stalled copy is gone (killed), not left sleeping.
+    _until(lambda: copies - _children(stall.proc.pid), 20, "the stalled copy's process to end")
     _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 120, "the taker's copy to finish")
     time.sleep(1.0)  # a late completion of the stalled copy would show up here
     records = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
     assert [(r["task_id"], r["worker"]) for r in records] == [(job.id, "taker@test")]
     assert "was taken over by another worker" in stall.output()
+
+
+def _children(pid: int) -> set[int]:
+    """Pids of a worker's processes below its main one (pool children, the scheduler)."""
+    return {c.pid for c in psutil.Process(pid).children(recursive=True)}
 
 
 def test_a_lease_that_vanished_from_the_store_is_written_again_not_fenced(
