@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery_ojs_ml.allocator.choice import choose_whole, share_want, wants_peers
-from celery_ojs_ml.allocator.devices import Peers
+from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
     Allocation,
@@ -110,6 +110,10 @@ class Allocator:
         self._caps = caps
         self._peers = nvlink_peers
         """NVLink peers per device (`allocator.devices.Peers`); None: not known, any set."""
+        self._most_linked = (
+            largest_peer_set(range(caps.gpu_count), nvlink_peers) if nvlink_peers else 0
+        )
+        """The largest set of devices that are all peers (fixed for the worker's life)."""
         self._ledger = ShareLedger(caps.gpu_count) if gpu_sharing else None
         """Milli-GPU per device (`allocator.sharing`); None: sharing off, whole GPUs only."""
         self._clock = clock
@@ -428,7 +432,8 @@ class Allocator:
         reasons += counted_reasons(want, total, free)
         if not reasons and self._peers is not None and wants_peers(req, self._peers):
             taken = self._taken(released)
-            reasons += peer_reasons(want.gpus, self._peers, self._caps.gpu_count, taken)
+            count, most = self._caps.gpu_count, self._most_linked
+            reasons += peer_reasons(want.gpus, self._peers, count, taken, most)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
         if never:
             return _Assessment(Verdict.NEVER, never, _join(never))

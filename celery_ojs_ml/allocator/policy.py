@@ -50,10 +50,11 @@ def counted_reasons(want: Demand, total: Demand, free: Demand) -> list[Reason]:
     return out
 
 
-def peer_reasons(count: int, peers: Peers, devices: int, taken: set[int]) -> list[Reason]:
+def peer_reasons(
+    count: int, peers: Peers, devices: int, taken: set[int], most: int
+) -> list[Reason]:
     """`gpu_interconnect` for a job whose `count` GPUs must be NVLink peers: NEVER when the
-    worker has no such set, WAIT when none is free (devices in `taken` are busy)."""
-    most = largest_peer_set(range(devices), peers)
+    worker has no such set (`most`: its largest), WAIT when none is free (`taken` busy)."""
     if count > most:
         return [Reason("gpu_interconnect", count, most, most, Verdict.NEVER, _PEERS_NEVER)]
     free = largest_peer_set((i for i in range(devices) if i not in taken), peers)

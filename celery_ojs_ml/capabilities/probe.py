@@ -117,10 +117,16 @@ def visible_tokens(env: dict[str, str] | None = None) -> list[str] | None:
 
 def select_visible(devices: list[GpuDevice], tokens: list[str] | None) -> list[GpuDevice]:
     """The devices `tokens` name, in their order (CUDA numbers them 0.. in that order)."""
+    return [d for _, d in _named(devices, tokens)]
+
+
+def _named(devices: list[GpuDevice], tokens: list[str] | None) -> list[tuple[str, GpuDevice]]:
+    """(token, device) for each device `tokens` names, in their order; None: every device,
+    named by its NVML index."""
     if tokens is None:
-        return devices
+        return [(str(d.index), d) for d in devices]
     by_name = {str(d.index): d for d in devices} | {d.uuid: d for d in devices if d.uuid}
-    return [by_name[t] for t in tokens if t in by_name]
+    return [(t, by_name[t]) for t in tokens if t in by_name]
 
 
 def probe_devices(
@@ -166,7 +172,11 @@ def advertised_peers(
 ) -> list[frozenset[int]] | None:
     """NVLink peers of each allocation index, as allocation indices; None when unknown."""
     _, pairs, _ = _advertised(nvml, env)
-    devices = [d for _, d in pairs]
+    return _local_peers([d for _, d in pairs])
+
+
+def _local_peers(devices: list[GpuDevice]) -> list[frozenset[int]] | None:
+    """Each device's NVLink peers as positions in `devices`; None when empty or unknown."""
     if not devices or any(d.peers is None for d in devices):
         return None
     return [
@@ -181,12 +191,7 @@ def _advertised(
     """The visible tokens, (token, device) of the advertised model in allocation order,
     and whether the host mixes models."""
     tokens = visible_tokens(env)
-    found = probe_devices(nvml, visible=False)
-    if tokens is None:
-        pairs = [(str(d.index), d) for d in found]
-    else:
-        by_name = {str(d.index): d for d in found} | {d.uuid: d for d in found if d.uuid}
-        pairs = [(t, by_name[t]) for t in tokens if t in by_name]
+    pairs = _named(probe_devices(nvml, visible=False), tokens)
     gpu_type = _advertised_type([d for _, d in pairs])
     group = [(t, d) for t, d in pairs if d.gpu_type == gpu_type]
     return tokens, group, len(group) != len(pairs)
@@ -249,10 +254,8 @@ def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
 
 def _linked(group: list[GpuDevice]) -> int | None:
     """The most devices of `group` that are all NVLink peers; None when peers are unknown."""
-    if any(d.peers is None for d in group):
-        return None
-    peers = [frozenset(q for q, o in enumerate(group) if o.index in (d.peers or ())) for d in group]
-    return largest_peer_set(range(len(group)), peers)
+    peers = _local_peers(group)
+    return None if peers is None else largest_peer_set(range(len(group)), peers)
 
 
 def _lowest_cc(ccs: list[str]) -> str:
