@@ -61,8 +61,9 @@ class Pair:
 def pair(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> Iterator[Pair]:
     store = OJSStore(redis_client, prefix="ojs")
     env = {"OJS_TEST_LEASE_TTL": "2", "OJS_TEST_CKPT": str(tmp_path / "ckpt")}
-    # The stalled worker's `ml.record` sleeps 30 times longer: its copy must still be
-    # running when the fence comes, however long the takeover takes on a loaded machine.
+    # The stalled worker's first run of `ml.record` sleeps 30 times longer: its copy must
+    # still be running when the fence comes, however long the takeover takes on a loaded
+    # machine. A re-run (after the takeover) is not slowed, on either worker.
     slow = {**env, "OJS_TEST_SLEEP_SCALE": "30"}
     workers = [
         WorkerProcess(name, redis_url, "profile:nvidia-a100x2", tmp_path, extra_env=extra)
