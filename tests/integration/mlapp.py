@@ -128,6 +128,7 @@ def _define_tasks(app: Celery, results_url: str) -> None:
             "first_cvd": _FIRST_GPU_USE.get("cvd"),
             "pid": os.getpid(),
             "gpu_count": getattr(self.request, "ext_ml_gpu_count", None),
+            "crashes": getattr(self.request, "ojs_crashes", 0) or 0,
             "start": start,
             "end": time.time(),
         }

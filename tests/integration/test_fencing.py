@@ -9,7 +9,9 @@ job again. Two mechanisms stop the stalled copy:
   its main process is still frozen;
 * a job that commits nothing is killed by the stalled worker's own lease
   heartbeat once its main process wakes up.
-Either way the job completes once, on `taker`.
+Either way the job completes once: the re-run that the takeover published runs
+wherever the scheduler places it (on `taker`, or on `stall` once it has woken
+and killed its stalled copy), and the stalled copy never completes.
 """
 
 from __future__ import annotations
@@ -136,10 +138,14 @@ def test_a_stalled_worker_kills_a_copy_that_commits_nothing_at_its_next_heartbea
     _until(lambda: "stopped this copy of" in stall.output(), 20, "the fence")
     # The pool child that ran the stalled copy is gone (killed), not left sleeping.
     _until(lambda: copies - _children(stall.proc.pid), 20, "the stalled copy's process to end")
-    _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 120, "the taker's copy to finish")
+    _until(lambda: redis_client.llen(RESULTS_KEY) >= 1, 120, "the re-run to finish")
     time.sleep(1.0)  # a late completion of the stalled copy would show up here
     records = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
-    assert [(r["task_id"], r["worker"]) for r in records] == [(job.id, "taker@test")]
+    # Exactly one completion, and it is the re-run (crashes >= 1), not the stalled first
+    # copy. The re-run is placed by the scheduler: on `taker`, or on `stall` once it woke
+    # and freed its GPUs (a fresh-clone CI run saw the latter).
+    assert [r["task_id"] for r in records] == [job.id], records
+    assert records[0]["crashes"] >= 1, records
     assert "was taken over by another worker" in stall.output()
 
 
