@@ -37,8 +37,12 @@ from celery_ojs_ml.store import OJSStore
 
 PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
 TOMBSTONE_S = 86400
+HEADER_MSG = "ojs_msg"
+"""A unique id the publisher stamps on each publish of an ML job (`admit_many`)."""
+_SEEN = 32
+"""Message ids kept per job: more than any job's re-publishes within its tombstone's day."""
 _RETRIES = 16
-_JSON_FIELDS = ("msg", "meta", "annotation", "victims")
+_JSON_FIELDS = ("msg", "meta", "annotation", "victims", "seen")
 _NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,13 @@ class PendingBook:
         return self.admit_many([(task_id, meta, msg)])[0]
 
     def admit_many(self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[bool]:
-        """`admit` for a batch in one transaction (the leader drains its intake in batches)."""
+        """`admit` for a batch in one transaction (the leader drains its intake in batches).
+
+        A message already admitted once (its `ojs_msg` header is in the record's
+        `seen` list) is not admitted again: an intake message redelivered after the
+        leader that admitted it died (kombu's restore of unacked messages, or the
+        Redis intake's processing list) must not re-run a job that started.
+        """
         if not jobs:
             return []
         keys = [self._key(task_id) for task_id, _, _ in jobs]
@@ -103,16 +113,22 @@ class PendingBook:
         def txn(pipe: Any) -> list[bool]:
             with self._r.pipeline(transaction=False) as read:
                 for key in keys:
-                    read.hget(key, "state")
-                states = read.execute()
-            fresh = [s is None or _text(s) == STARTED for s in states]
+                    read.hmget(key, "state", "seen")
+                rows = read.execute()
+            fresh: list[bool] = []
             pipe.multi()
-            for (task_id, meta, msg), key, ok in zip(jobs, keys, fresh, strict=True):
+            for (task_id, meta, msg), key, (state, seen_raw) in zip(jobs, keys, rows, strict=True):
+                seen: list[str] = json.loads(_text(seen_raw)) if seen_raw else []
+                msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
+                ok = (state is None or _text(state) == STARTED) and msg_id not in seen
+                fresh.append(ok)
                 if not ok:
                     continue
+                if isinstance(msg_id, str):
+                    seen = [*seen, msg_id][-_SEEN:]
                 pipe.delete(key)
                 fields = {"state": PENDING, "msg": json.dumps(msg), "meta": json.dumps(meta)}
-                pipe.hset(key, mapping={**fields, "admitted_at": now})
+                pipe.hset(key, mapping={**fields, "admitted_at": now, "seen": json.dumps(seen)})
                 pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
             return fresh
 

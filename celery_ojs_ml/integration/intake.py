@@ -22,10 +22,12 @@ from typing import Any
 from kombu import Consumer, Producer  # type: ignore[attr-defined]
 
 from celery_ojs_ml.allocator.policy import with_preemption_limits
+from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
 from celery_ojs_ml.integration.leases import republish_headers
 from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
+from celery_ojs_ml.integration.redis_intake import RedisIntake
 from celery_ojs_ml.integration.routing import ml_queue
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.pending import PendingBook
@@ -36,6 +38,8 @@ log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 
 HEADER_WAKE = "ojs_wake"
 _PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
+_POP_BATCH = 64
+"""Most messages the Redis intake moves per round trip."""
 
 
 class Intake:
@@ -53,6 +57,30 @@ class Intake:
     _producer: Any
     _dirty: bool
     _declared: set[str]
+    _reliable: RedisIntake | None
+
+    def _read(self, wait_s: float, batch: int) -> None:
+        """Read what the intake holds into `_intake`, waiting up to `wait_s` for the first."""
+        reliable = self._reliable
+        if reliable is None:
+            try:
+                self._conn.drain_events(timeout=wait_s)
+                while len(self._intake) < batch:  # what is already there, without waiting
+                    self._conn.drain_events(timeout=0)
+            except TimeoutError:
+                pass
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            messages = reliable.pop(max(0.0, deadline - time.monotonic()))
+            for message in messages:
+                self._on_message(message)
+            if len(messages) >= reliable.batch:
+                deadline = 0.0  # more may be there: read on without waiting
+            elif messages or time.monotonic() >= deadline:
+                return
+            if len(self._intake) >= batch:
+                return
 
     def _admit(self) -> None:
         """Write the drained jobs to the pending set in one transaction, then ack them."""
@@ -63,6 +91,11 @@ class Intake:
         for *_, message in batch:  # acked only once stored: a crash before redelivers them
             message.ack()
 
+    def _settle(self) -> None:
+        """Take the acked messages off the Redis intake's processing list."""
+        if self._reliable is not None:
+            self._reliable.done()
+
     def _connect(self) -> None:
         if self._conn is not None:
             return
@@ -71,15 +104,23 @@ class Intake:
         channel = conn.channel()
         queue = ml_queue(self.intake)
         consumer: Any = Consumer(channel, queues=[queue], on_message=self._on_message)  # type: ignore[no-untyped-call]
-        consumer.qos(prefetch_count=256)
-        consumer.consume()
         self._conn, self._consumer = conn, consumer
+        if redis_intake.supports(channel):  # read the lists ourselves: see `redis_intake`
+            self._reliable = RedisIntake(channel, self.intake, _POP_BATCH)
+            for message in self._reliable.recover():
+                self._on_message(message)
+        else:
+            consumer.qos(prefetch_count=256)
+            consumer.consume()
         self._producer = Producer(conn.channel())  # type: ignore[no-untyped-call]
         self._declared = set()
 
     def _close(self) -> None:
         conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
         self._intake = []  # not acked: the broker redelivers them to the next leader
+        reliable, self._reliable = self._reliable, None
+        if reliable is not None:
+            reliable.close()  # what it took and did not settle waits in its processing list
         if conn is not None:
             try:
                 conn.release()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +33,7 @@ from celery_ojs_ml.integration.routing import (
 from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import match, pending_message
+from celery_ojs_ml.pending import HEADER_MSG
 from celery_ojs_ml.spec.documents import parse_document
 from celery_ojs_ml.spec.envelope import Job, ParseOptions
 from celery_ojs_ml.spec.flux import FluxJob
@@ -380,9 +382,13 @@ def _redis_broker(app: Celery) -> str | None:
 
 
 def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """§14.3: ext_ml_timeout_seconds becomes the execution time limit, overriding the task's."""
+    """`before_task_publish`: each publish of an ML job gets a unique `ojs_msg` id (admission
+    is idempotent per message, `PendingBook.admit_many`); §14.3: ext_ml_timeout_seconds
+    becomes the execution time limit, overriding the task's."""
     if not headers:
         return
+    if headers.get(HEADER_CLASS):
+        headers[HEADER_MSG] = uuid.uuid4().hex
     timeout = headers.get("ext_ml_timeout_seconds")
     if isinstance(timeout, int) and timeout > 0:
         headers["timelimit"] = (timeout, None)

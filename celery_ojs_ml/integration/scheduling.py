@@ -129,6 +129,7 @@ class FleetScheduler(Intake):
         self._notes: LRU[str, tuple[str, float | None]] = LRU(100_000)
         self._conn: Any = None
         self._consumer: Any = None
+        self._reliable = None
         self._producer: Any = None
         self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
@@ -207,13 +208,9 @@ class FleetScheduler(Intake):
         gap = self._last_pass + self._gap_s - time.monotonic()
         if gap > 0:
             self._stop.wait(gap)
-        try:
-            self._conn.drain_events(timeout=0 if self._dirty else wait_s)
-            while len(self._intake) < _ADMIT_BATCH:  # what is already there, without waiting
-                self._conn.drain_events(timeout=0)
-        except TimeoutError:
-            pass
+        self._read(0 if self._dirty else wait_s, _ADMIT_BATCH)
         self._admit()
+        self._settle()
         began = time.monotonic()
         self.schedule_once()
         self._last_pass = time.monotonic()

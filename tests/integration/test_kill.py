@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import re
 import time
@@ -29,9 +30,10 @@ from tests.integration.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-JOBS = 20
+JOBS = int(os.environ.get("OJS_KILL_JOBS", "20"))
 EPOCHS = 6
-KILLS = 30
+KILLS = int(os.environ.get("OJS_KILL_COUNT", "30"))
+"""A longer stress run: `OJS_KILL_JOBS=60 OJS_KILL_COUNT=120 pytest <this file>`."""
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -44,7 +46,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240 + 4 * KILLS)
 def test_jobs_survive_thirty_random_worker_kills(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -74,18 +76,18 @@ def test_jobs_survive_thirty_random_worker_kills(
             kills += 1
             victim.start()
         logs = [w.log for w in workers.values()]
-        lost = _wait_done(redis_client, ids, logs, timeout=150)
+        lost = _wait_done(redis_client, ids, logs, timeout=150 + 3 * JOBS)
     finally:
         for w in workers.values():
             w.stop()
     app.close()
     assert kills >= KILLS
 
-    # Every job a worker ever received completed. A loss in kombu's BRPOP window (see
-    # `_wait_done`) is outside the plugin; it is rare, and reported rather than hidden.
+    # Every job completed: none is lost, not even in kombu's BRPOP window (see `_wait_done`),
+    # which the Redis intake (`integration.redis_intake`) closes for the intake queue.
     logs = [w.log for w in workers.values()]
     details = {i: _state(redis_client, i, logs) for i in lost}  # for whoever debugs a failure
-    assert len(lost) <= 1, f"{len(lost)} jobs lost in the transport: {details}"
+    assert not lost, f"{len(lost)} jobs lost: {details}"
     restarted = twice = 0
     for task_id in (i for i in ids if i not in lost):
         runs = [json.loads(r) for r in redis_client.lrange(f"ojs-test:runs:{task_id}", 0, -1)]
@@ -109,23 +111,19 @@ def test_jobs_survive_thirty_random_worker_kills(
             assert end <= start, (task_id, runs)
         assert runs[-1].get("done") is True
     assert restarted > 0, "no job was ever interrupted: the kills did not exercise recovery"
-    print(
-        f"kills={kills} jobs re-run after a kill={restarted} completed twice={twice} "
-        f"lost in kombu's BRPOP window={len(lost)}"
-    )
+    print(f"kills={kills} jobs re-run after a kill={restarted} completed twice={twice} lost=0")
 
 
 def _wait_done(client: redis.Redis, ids: list[str], logs: list[Path], timeout: float) -> list[str]:
     """Wait until every job completed; returns the jobs lost before any worker received them.
 
-    The Redis transport pops a message with BRPOP and only then records it as
-    unacked (kombu's `QoS.append`); a worker killed in that instant (about a
-    millisecond) loses the message before Celery or the plugin ever sees it,
-    as it would in plain Celery. That can hit a job's first message (the job
-    then never ran and no log names it) or a re-published one (see
-    `_nowhere`). Once every job still missing has looked like that for
-    `settle` seconds, waiting stops early.
-    Any other missing job fails the test with the state it was found in.
+    kombu's Redis transport pops a message with BRPOP and only then records it
+    as unacked (`QoS.append`); a process killed in that instant would lose the
+    message before Celery or the plugin ever sees it, as in plain Celery. The
+    leader reads the intake through `integration.redis_intake` instead, and a
+    worker queue's loss is taken back by the scheduler, so none should be lost.
+    A job that looks lost (`_nowhere`) for `settle` seconds is returned (and
+    fails the test); any other missing job fails it with the state it was in.
     """
     settle = 15.0
     deadline = time.monotonic() + timeout

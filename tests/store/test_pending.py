@@ -15,7 +15,14 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.pending import ASSIGNED, PENDING, STARTED, TOMBSTONE_S, PendingBook
+from celery_ojs_ml.pending import (
+    ASSIGNED,
+    HEADER_MSG,
+    PENDING,
+    STARTED,
+    TOMBSTONE_S,
+    PendingBook,
+)
 from celery_ojs_ml.store import OJSStore
 
 
@@ -113,6 +120,29 @@ def test_a_started_job_republished_under_its_id_is_admitted_again_as_new(
     assert record is not None and record["state"] == PENDING
     assert "token" not in record and "started_at" not in record
     assert list(book.records()) == ["job-1"]
+
+
+def test_a_message_admitted_once_is_not_admitted_again_after_its_job_started(
+    book: PendingBook,
+) -> None:
+    """DESIGN decision 9 (no job runs twice): an intake message redelivered after the
+    leader that admitted it died is recognised by its `ojs_msg` id, while a re-publish
+    (a new id) of the started job is admitted again."""
+    first = {**_msg("job-1"), "headers": {**_msg("job-1")["headers"], HEADER_MSG: "m-1"}}
+    assert book.admit("job-1", _meta(100.0), first) is True
+    token = book.assign("job-1", "w1@host", now=200.0)
+    assert token is not None and book.start("job-1", token, "w1@host") == "ok"
+    assert book.admit("job-1", _meta(100.0), first) is False  # the same message again
+    record = book.get("job-1")
+    assert record is not None and record["state"] == STARTED
+    again = {**first, "headers": {**first["headers"], HEADER_MSG: "m-2"}}
+    assert book.admit("job-1", _meta(300.0), again) is True  # a re-publish: a new message
+    record = book.get("job-1")
+    assert record is not None and record["state"] == PENDING
+    assert record["seen"] == ["m-1", "m-2"]
+    token = book.assign("job-1", "w1@host", now=400.0)
+    assert token is not None and book.start("job-1", token, "w1@host") == "ok"
+    assert book.admit("job-1", _meta(100.0), first) is False  # still known after two runs
 
 
 def test_records_drop_index_entries_whose_hash_is_gone(

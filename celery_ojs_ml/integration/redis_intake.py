@@ -1,0 +1,147 @@
+"""Reliable intake for Redis brokers: no job is lost when the scheduler is killed.
+
+kombu's Redis transport takes a message off its list with `BRPOP` and only
+then records it as unacked (`QoS.append`); a process killed in between loses
+it (kombu#305). For the intake queue, the one queue whose loss nothing else
+would notice, the leader reads the broker's lists itself instead:
+
+* A message is moved, atomically (one Lua script per batch), from the intake
+  lists into a processing list in the broker's Redis. It leaves that list only
+  once its job is in the pending set (`done`), so a leader killed at any
+  instant leaves every message it took there.
+* A new leader (or the same one after an error) first takes what the
+  processing list holds (`recover`). Admission is idempotent per published
+  message (`ojs_msg`, see `PendingBook.admit_many`), so a message admitted just
+  before the kill is not admitted twice.
+* With nothing to read, the leader blocks on the priority-0 list (where
+  wake-ups and jobs without a priority land) in slices of `POLL_S`; a job
+  published with a Celery priority of 3 or more waits at most that long.
+
+This is the one module that relies on kombu's Redis list layout; checked
+against kombu 5.7.0, and `tests/integration/test_redis_intake.py` fails when
+the layout changes. Brokers other than Redis keep the kombu consumer: AMQP
+brokers hold unacked messages on the server, so they have no such window.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+"""Longest slice the leader blocks for on the priority-0 list."""
+PROCESSING_SUFFIX = ".ojs-processing"
+
+_POP = """
+local n, out, last = tonumber(ARGV[1]), {}, #KEYS
+for i = 1, last - 1 do
+  while #out < n do
+    local item = redis.call('RPOPLPUSH', KEYS[i], KEYS[last])
+    if not item then break end
+    out[#out + 1] = item
+  end
+end
+return out
+"""
+"""Move up to ARGV[1] messages, highest priority list first, into the processing list."""
+
+
+def supports(channel: Any) -> bool:
+    """Whether `channel` is kombu's Redis transport with the list layout this module reads."""
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:  # pragma: no cover - kombu always ships it
+        return False
+    return isinstance(channel, kombu_redis.Channel) and all(
+        hasattr(channel, name) for name in ("pool", "sep", "priority_steps", "_q_for_pri")
+    )
+
+
+class IntakeMessage:
+    """One raw intake message, with the attributes the scheduler reads off a kombu message."""
+
+    def __init__(self, raw: bytes, owner: RedisIntake) -> None:
+        self.raw = raw
+        self._owner = owner
+        payload = json.loads(raw)
+        props = dict(payload.get("properties") or {})
+        body = payload.get("body") or ""
+        if props.get("body_encoding") == "base64":
+            self.body: bytes = base64.b64decode(body)
+        else:
+            self.body = body.encode() if isinstance(body, str) else bytes(body)
+        self.headers: dict[str, Any] = dict(payload.get("headers") or {})
+        self.properties: dict[str, Any] = props
+        self.content_type: str | None = payload.get("content-type")
+        self.content_encoding: str | None = payload.get("content-encoding")
+
+    def ack(self) -> None:
+        """Settled: taken off the processing list at the next `RedisIntake.done`."""
+        self._owner.settled.append(self.raw)
+
+
+class RedisIntake:
+    """The intake queue's lists and the processing list, read by the leader only."""
+
+    def __init__(self, channel: Any, queue: str, batch: int) -> None:
+        pool = channel.pool
+        kwargs: dict[str, Any] = {"connection_pool": pool}
+        if pool.connection_kwargs.get("credential_provider") is not None:
+            kwargs["credential_provider"] = pool.connection_kwargs["credential_provider"]
+        self.client = redis.Redis(**kwargs)
+        prefix = str(getattr(channel, "global_keyprefix", "") or "")
+        keys = [prefix + channel._q_for_pri(queue, pri) for pri in channel.priority_steps]
+        self.keys = list(dict.fromkeys(keys))  # highest priority first, as kombu's BRPOP
+        self.processing = prefix + queue + PROCESSING_SUFFIX
+        self.batch = batch
+        self.settled: list[bytes] = []
+        self._pop: Any = self.client.register_script(_POP)
+
+    def recover(self) -> list[IntakeMessage]:
+        """What an earlier leader took and did not settle (admit, refuse or drop)."""
+        raws: list[Any] = self.client.lrange(self.processing, 0, -1)
+        if raws:
+            log.warning("ojs-ml: the intake holds %d messages an earlier leader took", len(raws))
+        return self._messages(reversed(raws))  # oldest first (LPUSH-ed at the head)
+
+    def pop(self, wait_s: float) -> list[IntakeMessage]:
+        """Up to `batch` messages, waiting up to `wait_s` (in `POLL_S` slices) for the first."""
+        raws: list[bytes] = self._pop(keys=[*self.keys, self.processing], args=[self.batch])
+        if raws or wait_s <= 0:
+            return self._messages(raws)
+        item = self.client.brpoplpush(self.keys[0], self.processing, min(wait_s, POLL_S))
+        if item is None:
+            return []
+        more: list[bytes] = self._pop(keys=[*self.keys, self.processing], args=[self.batch - 1])
+        return self._messages([item, *more])
+
+    def done(self) -> None:
+        """Take every settled message off the processing list (one round trip)."""
+        settled, self.settled = self.settled, []
+        if not settled:
+            return
+        with self.client.pipeline(transaction=False) as pipe:
+            for raw in settled:
+                pipe.lrem(self.processing, -1, raw)  # type: ignore[arg-type]
+            pipe.execute()
+
+    def close(self) -> None:
+        """Forget what was not settled: it stays in the processing list for `recover`."""
+        self.settled = []
+        self.client.close()
+
+    def _messages(self, raws: Any) -> list[IntakeMessage]:
+        out: list[IntakeMessage] = []
+        for raw in raws:
+            try:
+                out.append(IntakeMessage(raw, self))
+            except (ValueError, TypeError, AttributeError) as exc:
+                log.error("ojs-ml: dropping an intake message that is not kombu JSON: %s", exc)
+                self.settled.append(raw)
+        return out

@@ -1,0 +1,148 @@
+"""The Redis intake (DESIGN decision 9, invariant 5: no job is lost).
+
+The leader moves intake messages atomically into a processing list and takes
+them off only once their jobs are admitted, so a leader killed at any instant
+loses none (kombu's own consumer pops with BRPOP first: kombu#305). These tests
+also pin the kombu Redis layout that `integration.redis_intake` reads (checked
+against kombu 5.7.0): they fail when it changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Connection, Producer  # type: ignore[attr-defined]
+from kombu.transport import redis as kombu_redis
+
+from celery_ojs_ml.integration import redis_intake
+from celery_ojs_ml.integration.redis_intake import PROCESSING_SUFFIX, RedisIntake
+from celery_ojs_ml.integration.routing import intake_name, ml_queue
+from celery_ojs_ml.pending import HEADER_MSG
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.workers import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+QUEUE = "ojs.ml.intake"
+
+
+@pytest.fixture
+def channel(redis_url: str, redis_client: redis.Redis) -> Iterator[object]:
+    with Connection(redis_url) as conn:  # type: ignore[no-untyped-call]
+        yield conn.channel()
+
+
+def _publish(channel: object, task_id: str, priority: int | None = None) -> None:
+    producer = Producer(channel)  # type: ignore[no-untyped-call]
+    props = {} if priority is None else {"priority": priority}
+    producer.publish(
+        [[task_id], {}, {}],
+        exchange=ml_queue(QUEUE).exchange,
+        routing_key=QUEUE,
+        declare=[ml_queue(QUEUE)],
+        headers={"id": task_id, "task": "t"},
+        serializer="json",
+        **props,
+    )
+
+
+def test_kombu_keeps_each_priority_step_in_its_own_list_as_the_intake_reads_them(
+    channel: object, redis_client: redis.Redis
+) -> None:
+    assert redis_intake.supports(channel)
+    assert "for pri in self.priority_steps" in inspect.getsource(kombu_redis.Channel._brpop_start)
+    assert "lpush(key" in inspect.getsource(kombu_redis.Channel._put)
+    for task_id, priority in (("low", 0), ("mid", 5), ("high", 9)):
+        _publish(channel, task_id, priority)
+    keys = {k for k in redis_client.keys(f"{QUEUE}*") if redis_client.type(k) == b"list"}
+    assert keys == {QUEUE.encode(), f"{QUEUE}\x06\x163".encode(), f"{QUEUE}\x06\x169".encode()}
+    payload = json.loads(redis_client.lindex(f"{QUEUE}\x06\x163", 0) or b"{}")
+    assert payload["properties"]["body_encoding"] == "base64"
+    assert payload["headers"]["id"] == "mid" and payload["content-type"] == "application/json"
+
+    intake = RedisIntake(channel, QUEUE, batch=64)
+    messages = intake.pop(0.0)
+    assert [m.headers["id"] for m in messages] == ["low", "mid", "high"]  # kombu's key order
+    assert json.loads(messages[1].body)[0] == ["mid"]
+    assert messages[1].properties["priority"] == 5 and messages[1].content_type
+    assert redis_client.llen(QUEUE + PROCESSING_SUFFIX) == 3  # taken, not yet settled
+
+
+def test_what_a_reader_took_and_did_not_settle_is_recovered_by_the_next_one_in_order(
+    channel: object, redis_client: redis.Redis
+) -> None:
+    for n in range(4):
+        _publish(channel, f"job-{n}")
+    first = RedisIntake(channel, QUEUE, batch=3)
+    taken = first.pop(0.0)
+    assert [m.headers["id"] for m in taken] == ["job-0", "job-1", "job-2"]
+    taken[1].ack()
+    first.done()
+    first.close()  # as if killed: job-0 and job-2 were never settled
+    second = RedisIntake(channel, QUEUE, batch=3)
+    assert [m.headers["id"] for m in second.recover()] == ["job-0", "job-2"]
+    assert [m.headers["id"] for m in second.pop(0.0)] == ["job-3"]
+    assert redis_client.llen(QUEUE) == 0
+
+
+def test_a_blocked_read_returns_a_message_published_meanwhile_and_an_empty_one_returns_none(
+    channel: object, redis_url: str
+) -> None:
+    intake = RedisIntake(channel, QUEUE, batch=8)
+    began = time.monotonic()
+    assert intake.pop(0.1) == []
+    assert time.monotonic() - began >= 0.09  # it did wait
+    with Connection(redis_url) as other:  # type: ignore[no-untyped-call]
+        _publish(other.channel(), "late")
+    assert [m.headers["id"] for m in intake.pop(1.0)] == ["late"]
+
+
+def test_a_message_that_is_not_kombu_json_is_dropped_not_raised(
+    channel: object, redis_client: redis.Redis
+) -> None:
+    redis_client.lpush(QUEUE, b"\xff not json")
+    intake = RedisIntake(channel, QUEUE, batch=8)
+    assert intake.pop(0.0) == []
+    intake.done()
+    assert redis_client.llen(QUEUE + PROCESSING_SUFFIX) == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_job_taken_by_a_leader_that_died_before_admitting_it_runs_once_under_the_next(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The kill test's old loss window, made deterministic: a leader took the message
+    off the intake and died; the next leader finds it in the processing list."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app: Celery = make_app(redis_url)
+    name = intake_name(app.ojs_ml.settings.store_prefix)
+    worker = WorkerProcess("next", redis_url, "profile:nvidia-a100x1", tmp_path)
+    try:
+        job = app.tasks["ml.record"].apply_async(args=["orphan", 0.0])
+        with app.connection_for_write() as conn:
+            dead = RedisIntake(conn.channel(), name, batch=8)
+            taken = dead.pop(0.0)
+        assert [m.headers["id"] for m in taken] == [job.id]
+        assert isinstance(taken[0].headers.get(HEADER_MSG), str)  # stamped at publish
+        assert redis_client.llen(name) == 0 and redis_client.llen(name + PROCESSING_SUFFIX) == 1
+        worker.start().wait_live(store)
+        deadline = time.monotonic() + 60
+        while redis_client.llen(RESULTS_KEY) < 1:
+            assert time.monotonic() < deadline, worker.output()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # a second run would show up here
+        records = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
+        assert [r["task_id"] for r in records] == [job.id]
+        assert redis_client.llen(name + PROCESSING_SUFFIX) == 0
+        assert "an earlier leader took" in worker.output()
+    finally:
+        worker.stop()
+        app.close()
