@@ -136,26 +136,40 @@ class Ledger:
         beats: Mapping[str, float],
         allocated: Mapping[str, frozenset[str]],
         now: float,
+        started_at: Callable[[list[str]], Mapping[str, float | None]] | None = None,
     ) -> dict[str, Demand]:
         """Capacity to take off each worker's advertised free capacity now.
 
-        An entry still assigned counts (refreshing `since`); one that left the
-        assigned state counts until a heartbeat newer than the last time it
-        was seen assigned, and never once the worker reports it allocated.
+        An entry still assigned counts (refreshing `since`). One that left the
+        assigned state (started) counts until its worker reports it allocated,
+        or until a heartbeat newer than its start (`started_at`, the gate's
+        clock, as the heartbeat's): the job ended before that heartbeat. A
+        heartbeat newer than the last pass that saw it assigned is not enough:
+        the gate may start it after that heartbeat, which then still shows its
+        GPUs free (the leader assigned them twice and the gate gave one back).
+        Without `started_at` (or a start time), that last sighting is used.
         """
         used: dict[str, Demand] = {}
         self.counted = set()
+        left: list[str] = []
         for task_id in list(self.entries):
             entry = self.entries[task_id]
             record = records.get(task_id)
-            still = record is not None and record.get("state") == ASSIGNED
-            if still and record is not None and record.get("worker") == entry.worker:
-                entry.since = now
+            if record is not None and record.get("state") == ASSIGNED:
+                if record.get("worker") == entry.worker:
+                    entry.since = now
             elif record is not None and record.get("state") == PENDING:
                 del self.entries[task_id]  # given or taken back
-                continue
+            elif task_id not in allocated.get(entry.worker, frozenset()):
+                left.append(task_id)
+        starts = started_at(left) if left and started_at is not None else {}
+        for task_id in list(self.entries):
+            entry = self.entries[task_id]
             shown = task_id in allocated.get(entry.worker, frozenset())
-            if not still and (shown or beats.get(entry.worker, 0.0) > entry.since):
+            record = records.get(task_id)
+            still = record is not None and record.get("state") == ASSIGNED
+            since = starts.get(task_id) or entry.since
+            if not still and (shown or beats.get(entry.worker, 0.0) > since):
                 del self.entries[task_id]
                 continue
             if shown:

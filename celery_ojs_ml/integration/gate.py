@@ -200,6 +200,8 @@ class Gate(LeaseKeeping):
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
         if not assigned.may_start(self.worker, req, alloc):
             return None
+        if req.request_dict.get(HEADER_PREFETCH):
+            self.wake_scheduler()  # a job held ahead started: the leader may send the next one
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         req.request_dict["ojs_devices"] = list(alloc.devices)
         if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
@@ -262,7 +264,6 @@ class Gate(LeaseKeeping):
         if self.unacked.pop(req, False):
             self._ack(req)  # its lease could not be written: the message held it
         log.debug("ojs-ml: released %s", req.id)
-        self.wake_scheduler()
         hub = getattr(self.c, "hub", None)
         if hub is not None and threading.current_thread() is threading.main_thread():
             if not self._pump_due:  # one pump serves every release of this loop turn
@@ -270,6 +271,9 @@ class Gate(LeaseKeeping):
                 hub.call_soon(self.pump)
         else:
             self.pump()
+        # After the pump: a held job starts without waiting for the wake-up's round trips,
+        # and the advertisement then already counts it.
+        self.wake_scheduler()
 
     def pump(self) -> None:
         """Start held jobs that fit now, in band, priority and FIFO order."""

@@ -228,7 +228,7 @@ class FleetScheduler(Intake):
         live = self.store.live_workers()
         self._take_back(records, live, now)
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
-        used = self.ledger.used(records, beats, allocated_ids(live), now)
+        used = self.ledger.used(records, beats, allocated_ids(live), now, self.book.started_at)
         leases = self.leases.all()
         fleet = worker_states(
             live,
