@@ -243,19 +243,24 @@ class PendingBook:
 
         return str(self._transaction(key, txn))
 
-    def give_back(self, task_id: str, token: str, reason: str) -> bool:
-        """`assigned` (with this token) -> `pending` with a reason; the gate could not run it."""
-        fields = {"state": PENDING, "reason": reason, "returned_at": repr(self.store._clock())}
+    def give_back(self, task_id: str, token: str, reason: str, *, cool: bool = True) -> bool:
+        """`assigned` (with this token) -> `pending` with a reason; the gate could not run it.
+
+        `cool`: stamp `returned_at`, so the scheduler lets the job sit out a moment.
+        """
+        fields = {"state": PENDING, "reason": reason}
+        if cool:
+            fields["returned_at"] = repr(self.store._clock())
         return self._cas(
             task_id,
             lambda r: r.get("state") == ASSIGNED and r.get("token") == token,
             fields,
-            drop=("token", "worker", "assigned_at"),
+            drop=("token", "worker", "assigned_at", *(() if cool else ("returned_at",))),
         )
 
-    def take_back(self, task_id: str, token: str, reason: str) -> bool:
+    def take_back(self, task_id: str, token: str, reason: str, *, cool: bool = True) -> bool:
         """The scheduler takes back an assignment its worker did not start (fenced by token)."""
-        return self.give_back(task_id, token, reason)
+        return self.give_back(task_id, token, reason, cool=cool)
 
     def annotate(self, notes: Mapping[str, tuple[str, float | None, str | None]]) -> None:
         """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip."""

@@ -48,6 +48,7 @@ from celery_ojs_ml.integration.fleet_view import (
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS, rendezvous
 from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
 from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.prefetching import Prefetching
 from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.lru import LRU
@@ -91,7 +92,7 @@ def send_wake(app: Any, worker: str) -> None:
         )
 
 
-class FleetScheduler(Intake):
+class FleetScheduler(Intake, Prefetching):
     """One candidate for the scheduler lock; `run()` loops until `stop()`."""
 
     def __init__(self, app: Any, candidate: str | None = None) -> None:
@@ -272,40 +273,11 @@ class FleetScheduler(Intake):
         for p in decision.preemptions:
             self._deliver(p.task_id, p.worker, records[p.task_id], jobs[p.task_id], p.victims, now)
         if self.settings.prefetch:
+            self._unhold(decision, fleet, records, jobs)
             self._prefetch(decision, records, jobs, now)
         self._annotate(decision)
         self.passes += 1
         return decision
-
-    def _prefetch(
-        self,
-        decision: Decision,
-        records: dict[str, dict[str, Any]],
-        jobs: dict[str, PendingJob],
-        now: float,
-    ) -> None:
-        """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
-        holds them and starts them as soon as a job there ends, without a pass between."""
-        waiting = self._held_ahead(records)
-        for r in decision.reservations:
-            job = jobs.get(r.task_id)
-            if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
-                continue
-            if waiting.get(r.worker, 0) >= self.settings.prefetch:
-                continue
-            waiting[r.worker] = waiting.get(r.worker, 0) + 1
-            self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True)
-
-    def _held_ahead(self, records: dict[str, dict[str, Any]]) -> dict[str, int]:
-        """Prefetched jobs not started yet, per worker."""
-        out: dict[str, int] = {}
-        for task_id, worker in list(self._prefetched.items()):
-            record = records.get(task_id)
-            if record is None or record.get("state") != ASSIGNED:
-                del self._prefetched[task_id]
-            else:
-                out[worker] = out.get(worker, 0) + 1
-        return out
 
     def _any_reservations(self) -> bool:
         return bool(self.store.client.exists(self.reservations.key))

@@ -38,3 +38,38 @@ def test_prefetched_jobs_wait_at_the_gate_and_every_job_runs_once(
     log = (tmp_path / "a.log").read_text()
     assert "ojs-ml: holding" in log, "no job was delivered ahead of capacity"
     app.close()
+
+
+def test_a_prefetched_job_is_taken_back_when_another_worker_can_start_it_first(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """The job reserved (and prefetched) on the worker whose job's time limit ends first
+    does not wait there when the other worker frees earlier: the leader takes it back."""
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    conf = json.dumps({"ojs_ml_prefetch": 1})
+    env = {"OJS_TEST_CONF": conf}
+    workers = [
+        WorkerProcess(
+            name, redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2, extra_env=env
+        )
+        for name in ("a", "b")
+    ]
+    with running(workers, OJSStore(redis_client, prefix="ojs")):
+        long = record.apply_async(args=["long", 6.0], headers={"ext_ml_timeout_seconds": 8})
+        time.sleep(1.0)
+        short = record.apply_async(args=["short", 1.5], headers={"ext_ml_timeout_seconds": 300})
+        time.sleep(0.5)
+        nxt = record.apply_async(args=["next", 0.1])
+        deadline = time.monotonic() + 60
+        while redis_client.llen(RESULTS_KEY) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([long.id, short.id, nxt.id]), runs
+    assert runs[long.id]["worker"] != runs[short.id]["worker"]
+    assert runs[nxt.id]["worker"] == runs[short.id]["worker"], runs
+    assert runs[nxt.id]["start"] < runs[long.id]["end"], "it waited for the long job"
+    logs = "".join((tmp_path / f"{w}.log").read_text() for w in ("a", "b"))
+    assert f"took prefetched {nxt.id} back" in logs
+    app.close()
