@@ -33,6 +33,7 @@ from typing import Any
 
 import redis
 
+from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.store import OJSStore
 
 PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
@@ -41,6 +42,13 @@ HEADER_MSG = "ojs_msg"
 """A unique id the publisher stamps on each publish of an ML job (`admit_many`)."""
 _SEEN = 32
 """Message ids kept per job: more than any job's re-publishes within its tombstone's day."""
+_MSG_CACHE = 20_000
+"""Decoded messages the leader keeps between passes (`records`)."""
+_LEAN = ("state", "meta", "admitted_at", "worker", "token", "assigned_at", "hold_until",
+         "returned_at", "priority", "reason", "victims")  # fmt: skip
+"""The fields of a record the leader reads on every pass (`records(lean=True)`)."""
+_CACHED = b"\x00cached"
+"""Stands for a message `_lean` did not read because the cache holds it."""
 _RETRIES = 16
 _JSON_FIELDS = ("msg", "meta", "annotation", "victims", "seen")
 _NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
@@ -59,6 +67,14 @@ redis.call('ZREM', KEYS[2], ARGV[4])
 return 'ok'
 """
 """`start` in one round trip (the gate's hot path); `_start_watched` is the same without Lua."""
+
+_ASSIGN = """
+if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'assigned', 'worker', ARGV[1], 'token', ARGV[2],
+           'assigned_at', ARGV[3], 'victims', ARGV[4])
+return 1
+"""
+"""`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua."""
 
 
 def _text(value: Any) -> str:
@@ -82,7 +98,9 @@ class PendingBook:
         self._r = store.client
         self._index = store.key("pjobs")
         self._start_script: Any = self._r.register_script(_START)
+        self._assign_script: Any = self._r.register_script(_ASSIGN)
         self._leader = store.key("scheduler", "leader")
+        self._msgs: LRU[tuple[str, str], dict[str, Any]] = LRU(_MSG_CACHE)
 
     def _key(self, task_id: str) -> str:
         return self.store.key("pjob", task_id)
@@ -151,19 +169,20 @@ class PendingBook:
             out[task_id] = float(_text(at)) if ok else None
         return out
 
-    def records(self) -> dict[str, dict[str, Any]]:
-        """Every waiting or assigned job: `{task_id: record}`, in admission order."""
+    def records(self, *, lean: bool = False) -> dict[str, dict[str, Any]]:
+        """Every waiting or assigned job: `{task_id: record}`, in admission order.
+
+        `lean` (the leader, every pass): only the fields it reads (`_LEAN`), and the
+        message of an admission whose message it already holds is not read again.
+        """
         ids = [_text(i) for i in self._r.zrange(self._index, 0, -1)]
         if not ids:
             return {}
-        with self._r.pipeline(transaction=False) as pipe:
-            for task_id in ids:
-                pipe.hgetall(self._key(task_id))
-            raws = pipe.execute()
+        raws = self._lean(ids) if lean else self._full(ids)
         found: dict[str, dict[str, Any]] = {}
         gone: list[str] = []
         for task_id, raw in zip(ids, raws, strict=True):
-            record = _decode(raw) if raw else None
+            record = self._decode_cached(task_id, raw) if raw else None
             if (
                 record is None
                 or record.get("state") not in (PENDING, ASSIGNED)
@@ -175,6 +194,51 @@ class PendingBook:
         if gone:
             self._r.zrem(self._index, *gone)
         return found
+
+    def _full(self, ids: list[str]) -> list[Any]:
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id in ids:
+                pipe.hgetall(self._key(task_id))
+            return list(pipe.execute())
+
+    def _lean(self, ids: list[str]) -> list[Any]:
+        """Raw records of `_LEAN` fields, plus `msg` where the cache does not hold it."""
+        with self._r.pipeline(transaction=False) as pipe:
+            for task_id in ids:
+                pipe.hmget(self._key(task_id), *_LEAN)
+            rows = pipe.execute()
+        raws = [{k: v for k, v in zip(_LEAN, row, strict=True) if v is not None} for row in rows]
+        stamps = [(ids[i], _text(raw.get("admitted_at", ""))) for i, raw in enumerate(raws)]
+        missing = [i for i, raw in enumerate(raws) if raw and stamps[i] not in self._msgs]
+        if missing:
+            with self._r.pipeline(transaction=False) as pipe:
+                for i in missing:
+                    pipe.hget(self._key(ids[i]), "msg")
+                for i, msg in zip(missing, pipe.execute(), strict=True):
+                    if msg is not None:
+                        raws[i]["msg"] = msg
+        for i, raw in enumerate(raws):
+            if raw and "msg" not in raw and stamps[i] in self._msgs:
+                raw["msg"] = _CACHED
+        return raws
+
+    def _decode_cached(self, task_id: str, raw: Mapping[Any, Any]) -> dict[str, Any]:
+        """`_decode`, reusing the decoded message of an admission already seen (the leader
+        reads every record on every pass; the message, the largest field, never changes
+        while its admission stands). The cached message is shared: read it, do not modify."""
+        fields = {_text(k): v for k, v in raw.items()}
+        key = (task_id, _text(fields.get("admitted_at", "")))
+        msg = self._msgs.get(key) if "msg" in fields else None
+        if msg is None and fields.get("msg") is _CACHED:  # evicted since `_lean`: read it again
+            fields["msg"] = self._r.hget(self._key(task_id), "msg") or b"{}"
+        if msg is None:
+            record = _decode(fields)
+            if isinstance(record.get("msg"), dict):
+                self._msgs[key] = record["msg"]
+            return record
+        record = _decode({k: v for k, v in fields.items() if k != "msg"})
+        record["msg"] = msg
+        return record
 
     # -- assignment, start and return ----------------------------------------------------
 
@@ -195,6 +259,15 @@ class PendingBook:
             "assigned_at": repr(now),
             "victims": json.dumps(list(victims)),
         }
+        if self._assign_script is not None:
+            args = [worker, token, fields["assigned_at"], fields["victims"]]
+            try:
+                return token if self._assign_script(keys=[self._key(task_id)], args=args) else None
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except _NO_SCRIPTING as exc:
+                log.info("ojs-ml: no Lua scripting on the store (%s); assigns use MULTI/WATCH", exc)
+                self._assign_script = None
         ok = self._cas(task_id, lambda r: r.get("state") == PENDING, fields)
         return token if ok else None
 

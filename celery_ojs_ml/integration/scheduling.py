@@ -139,6 +139,8 @@ class FleetScheduler(Intake, Prefetching):
         self._rendezvous: dict[str, dict[str, Any]] = {}
         self._gap_s = _MIN_PASS_GAP_S
         self._prefetched: dict[str, str] = {}
+        self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
+        """Parsed waiting jobs by (task id, admitted at, priority) (`_pending_job`)."""
         """Jobs delivered ahead of capacity (`_prefetch`) -> their worker, until started."""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -223,7 +225,7 @@ class FleetScheduler(Intake, Prefetching):
         """Take back stale assignments, run the policy core, assign, annotate."""
         self._dirty = False
         now = time.time()
-        records = self.book.records()
+        records = self.book.records(lean=True)
         if not records and not self._any_reservations():
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         live = self.store.live_workers()
@@ -244,11 +246,7 @@ class FleetScheduler(Intake, Prefetching):
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
             if record.get("state") == "pending" and not self._cooling(record, now):
-                try:
-                    job = pending_job(task_id, record, self.parse)
-                except Exception as exc:  # one foreign record must not stop every pass
-                    log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
-                    continue
+                job = self._pending_job(task_id, record)
                 if job is not None:
                     waiting.append(job)
         inflight = self._inflight(records, leases, live) if self.policy.budgets else []
@@ -278,6 +276,19 @@ class FleetScheduler(Intake, Prefetching):
         self._annotate(decision)
         self.passes += 1
         return decision
+
+    def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
+        """The core's view of a waiting record, parsed once per admission and priority."""
+        key = (task_id, str(record.get("admitted_at")), str(record.get("priority")))
+        if key in self._jobs:
+            return self._jobs.get(key)
+        try:
+            job = pending_job(task_id, record, self.parse)
+        except Exception as exc:  # one foreign record must not stop every pass
+            log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
+            return None
+        self._jobs[key] = job
+        return job
 
     def _any_reservations(self) -> bool:
         return bool(self.store.client.exists(self.reservations.key))

@@ -145,6 +145,29 @@ def test_a_message_admitted_once_is_not_admitted_again_after_its_job_started(
     assert book.admit("job-1", _meta(100.0), first) is False  # still known after two runs
 
 
+def test_lean_records_match_full_records_and_see_a_readmitted_message(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    """The leader's per-pass read (`records(lean=True)`) skips the unchanged message of an
+    admission it already holds, but never serves a stale one."""
+    _admitted(book, "job-1", at=100.0)
+    token = _assigned(book, "job-2")
+    lean = book.records(lean=True)
+    full = book.records()
+    assert list(lean) == list(full) == ["job-1", "job-2"]
+    for task_id in full:
+        assert lean[task_id]["msg"] == full[task_id]["msg"]
+        for name in ("state", "meta", "worker", "token", "assigned_at"):
+            assert lean[task_id].get(name) == full[task_id].get(name), name
+    assert book.records(lean=True)["job-2"]["token"] == token  # cached message, fresh fields
+    assert book.start("job-2", token, "w1@host") == "ok"
+    changed = {**_msg("job-2"), "body": "the re-published payload"}
+    assert book.admit("job-2", _meta(300.0), changed) is True
+    again = book.records(lean=True)
+    assert again["job-2"]["msg"]["body"] == "the re-published payload"
+    assert again["job-2"]["state"] == PENDING and "token" not in again["job-2"]
+
+
 def test_records_drop_index_entries_whose_hash_is_gone(
     book: PendingBook, store: OJSStore, redis_client: redis.Redis
 ) -> None:
