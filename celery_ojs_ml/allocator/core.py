@@ -317,6 +317,9 @@ class Allocator:
             snap["reservations"] = {rid: _counts(d) for rid, d in self._pools.items()}
         if self._ledger is not None:  # sharing on: the scheduler's per-device fit reads it
             snap["gpu_free_milli"] = list(self.gpu_free_milli())
+        if self._peers is not None:  # the scheduler places NVLink jobs on free islands
+            free = set(range(self._caps.gpu_count)) - self._taken(())
+            snap["nvlink_free"] = largest_peer_set(free, self._peers)
         return snap
 
     def gpu_free_milli(self, released: Collection[Allocation] = ()) -> tuple[int, ...]:

@@ -228,9 +228,19 @@ def worker_states(
                 frozenset(queues) if queues else frozenset({"celery"}),
                 tuple(running.get(name, ())),
                 gpu_free_milli=milli,
+                nvlink_free=nvlink_free(entry, free.gpus),
             )
         )
     return states
+
+
+def nvlink_free(entry: Mapping[str, Any], gpus: int | None) -> int | None:
+    """The most free devices of a worker that are all NVLink peers, as it reported them,
+    at most its free GPUs less what was assigned since (`gpus`); None when not reported."""
+    found = (entry.get("free") or {}).get("nvlink_free")
+    if isinstance(found, bool) or not isinstance(found, int) or found < 0:
+        return None
+    return found if gpus is None else min(found, gpus)
 
 
 def gpu_free_milli(

@@ -217,6 +217,8 @@ class FleetView:
     def _fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
         if not covers(shape[0], ask.want) or (ask.dedicated and not shape[2]):
             return False
+        if shape[4] is not None and wants_link(ask.job.req) and ask.want[0] > shape[4]:
+            return False  # not that many free devices are NVLink peers of each other now
         if gpu_share(ask.job.req) is not None and not share_fits(ask.job.req, group.caps, shape[3]):
             return False
         return self.verdict(ask.job, group, shape).verdict is Verdict.FITS
@@ -324,3 +326,12 @@ def share_fits(req: MLRequirements, caps: Capabilities, free: tuple[int, ...] | 
     known there (a VRAM share needs `gpu.memory_gb`) and some device with that much left."""
     milli = share_milli(req, caps)
     return free is not None and milli is not None and pick_share(free, milli) is not None
+
+
+def wants_link(req: MLRequirements) -> bool:
+    """Whether the job's GPUs must be NVLink peers of each other (§3.2 `nvlink`, 2+ GPUs)."""
+    return (
+        req.ext_ml_gpu_interconnect == "nvlink"
+        and (req.ext_ml_gpu_count or 0) > 1
+        and gpu_share(req) is None
+    )

@@ -151,6 +151,10 @@ class WorkerState:
     gpu_free_milli: tuple[int, ...] | None = None
     """Milli-GPU left on each device (`allocator.sharing`, 0: held whole), as the worker
     reports it with `ojs_ml_gpu_sharing` on; None: sharing off (no share job fits)."""
+    nvlink_free: int | None = None
+    """The most free devices that are all NVLink peers of each other, as the worker
+    reports them; None: not known (any free devices do). A job that asks for `nvlink`
+    and more GPUs than this does not start there now."""
 
     @classmethod
     def of(

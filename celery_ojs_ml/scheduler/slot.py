@@ -18,6 +18,7 @@ from celery_ojs_ml.allocator.sharing import FULL, after, place
 from celery_ojs_ml.scheduler.model import Policy, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.timeline import Timeline
 from celery_ojs_ml.scheduler.vectors import (
+    INF,
     ZERO,
     Vec,
     finite,
@@ -29,9 +30,10 @@ from celery_ojs_ml.scheduler.vectors import (
 
 HoldKind = Literal["reserve", "preempt", "shadow"]
 LabelKey = tuple[tuple[str, str], ...]
-Shape = tuple[Vec, tuple[LabelKey, ...], bool, tuple[int, ...] | None]
+Shape = tuple[Vec, tuple[LabelKey, ...], bool, tuple[int, ...] | None, int | None]
 """What decides a match on a worker besides its capabilities: free vector, running labels,
-idle, and milli-GPU left per device (None: sharing off)."""
+idle, milli-GPU left per device (None: sharing off), and the largest set of free NVLink
+peers (None: not known)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,7 @@ class Slot:
         "idle",
         "idx",
         "labels",
+        "linked",
         "now",
         "overdue_s",
         "state",
@@ -98,6 +101,7 @@ class Slot:
         self.group = -1
         self.free = from_free(state.free)
         self.gpu_free = state.gpu_free_milli
+        self.linked = state.nvlink_free
         self.labels: list[Mapping[str, str]] = list(state.free.running_labels)
         self.added_labels: list[Mapping[str, str]] = []
         self.idle = not state.running
@@ -143,7 +147,7 @@ class Slot:
         """The equivalence key of this worker's free state (see `Shape`)."""
         if self._shape is None:
             labels = tuple(label_key(x) for x in self.labels)
-            self._shape = (self.free, labels, self.idle, self.gpu_free)
+            self._shape = (self.free, labels, self.idle, self.gpu_free, self.linked)
         return self._shape
 
     def take(
@@ -152,6 +156,9 @@ class Slot:
         """Start a job using `amount` now until `end` (None: unknown); `whole`: dedicated."""
         self.exclusive = self.exclusive or whole
         self.free = minus(self.free, amount)
+        if self.linked is not None and self.free[0] != INF:  # conservative: the gate may
+            # take the devices off the island
+            self.linked = max(0, min(self.linked - int(amount[0]), int(self.free[0])))
         if labels:
             self.labels.append(labels)
             self.added_labels.append(labels)

@@ -81,3 +81,17 @@ def test_a_job_no_linked_set_can_ever_hold_is_denied_with_the_attribute_named() 
 def test_without_known_links_the_usual_best_fit_applies() -> None:
     a = allocator(worker_with(gpus=4, interconnect="nvlink"))
     assert run(a, "four", linked(4)).devices == (0, 1, 2, 3)
+
+
+def test_the_snapshot_reports_the_largest_set_of_free_peers_for_the_scheduler() -> None:
+    """`nvlink_free` in the heartbeat: the scheduler sends an nvlink job only where that
+    many free devices are peers (`WorkerState.nvlink_free`)."""
+    a = allocator(worker_with(gpus=4, interconnect="nvlink"), nvlink_peers=PAIRS)
+    assert a.snapshot()["nvlink_free"] == 2
+    first = run(a, "one", job(gpu_count=1))  # breaks one pair
+    assert a.snapshot()["nvlink_free"] == 2  # the other pair is whole
+    other = [(d,) for d in range(4) if PAIRS[first.devices[0]].isdisjoint({d})]
+    run(a, "other", job(gpu_count=1), prefer=[o for o in other if o != first.devices][:1])
+    assert a.snapshot()["nvlink_free"] == 1  # two GPUs free, not peers
+    plain = allocator(worker_with(gpus=4))
+    assert "nvlink_free" not in plain.snapshot()  # links unknown: nothing reported

@@ -25,3 +25,35 @@ def test_a_foreign_band_or_queue_is_recomputed_not_trusted(band: Any, queue: Any
     assert job.band in ("reserved", "on-demand", "spot")
     assert job.band == (band if band == "spot" else "on-demand")
     assert isinstance(job.queue, str) and job.queue
+
+
+@pytest.mark.parametrize(
+    ("reported", "gpus", "expected"),
+    [(2, 4, 2), (3, 1, 1), (2, None, 2), (None, 4, None), (True, 4, None), (-1, 4, None),
+     ("2", 4, None)],
+)  # fmt: skip
+def test_a_workers_reported_free_nvlink_island_is_read_safely(
+    reported: Any, gpus: int | None, expected: int | None
+) -> None:
+    """A worker's `nvlink_free` (the most free devices that are all peers) is capped by its
+    free GPUs less what was assigned since; a foreign value counts as not reported."""
+    from celery_ojs_ml.integration.fleet_view import nvlink_free
+
+    assert nvlink_free({"free": {"nvlink_free": reported}}, gpus) == expected
+
+
+def test_the_heartbeats_free_island_reaches_the_schedulers_worker_state() -> None:
+    """The allocator's snapshot (`nvlink_free`) travels in the heartbeat's `free`; the leader
+    caps it by the GPUs it assigned there since (the ledger)."""
+    from celery_ojs_ml.allocator.model import Demand
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.lru import LRU
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    snapshot = {"free": {"gpu_count": 3, "cpu_cores": 8, "memory_gb": 64}, "nvlink_free": 3}
+    live = {"w": {"capabilities": caps, "free": snapshot, "info": {"queues": ["celery"]}}}
+    (state,) = worker_states(live, [], {}, _parse, LRU(8))
+    assert state.nvlink_free == 3 and state.free.gpus == 3
+    (busier,) = worker_states(live, [], {"w": Demand(gpus=2)}, _parse, LRU(8))
+    assert busier.nvlink_free == 1 and busier.free.gpus == 1
