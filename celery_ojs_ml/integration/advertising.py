@@ -249,7 +249,14 @@ class Advertising(Gate):
         return wanted
 
     def resubscribe(self) -> None:
-        """Consume exactly the wanted queues, on this consumer only."""
+        """Consume exactly the wanted queues, on this consumer only.
+
+        Before celery's loop has set the consumer's `on_message` (worker start-up),
+        queues are only added: the loop's own `consume()` starts them. Consuming
+        earlier let an AMQP message arrive while a later bootstep opened a channel,
+        for a consumer without callbacks, which stopped the worker
+        (`NotImplementedError: Consumer does not have any callbacks`).
+        """
         with self.lock:
             tc = self.c.task_consumer
             if tc is None:
@@ -262,10 +269,11 @@ class Advertising(Gate):
             added = sorted(wanted - self.subscribed)
             for name in added:
                 self._add_queue(tc, name)
-            if added:
+            started = bool(tc.on_message or tc.callbacks)
+            if added and started:
                 tc.consume()
             self.subscribed = set(wanted)
-        if added:
+        if added and started:
             wake_consumer(tc)
 
     def _add_queue(self, tc: Any, name: str) -> None:
