@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation
-from celery_ojs_ml.integration.scheduling import HEADER_ASSIGN, HEADER_VICTIMS
+from celery_ojs_ml.integration.delivery import HEADER_ASSIGN, HEADER_VICTIMS
 
 if TYPE_CHECKING:
     from celery_ojs_ml.integration.worker import MLWorker

@@ -29,13 +29,13 @@ from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.integration import assigned, child, warm_pool
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
+from celery_ojs_ml.integration.delivery import HEADER_PREFETCH
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.integration.lease_keeping import LeaseKeeping
 from celery_ojs_ml.integration.leases import republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.routing import HEADER_PENDING
-from celery_ojs_ml.integration.scheduling import HEADER_PREFETCH
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.integration.sharing import HEADER_SHARE, share_info
 from celery_ojs_ml.spec.classes import BANDS

@@ -37,6 +37,9 @@ from typing import Any
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.checkpoint import last_checkpoint
 from celery_ojs_ml.integration.admission import Admission
+from celery_ojs_ml.integration.delivery import (
+    Delivery,
+)
 from celery_ojs_ml.integration.fleet_view import (
     BudgetHold,
     Ledger,
@@ -45,7 +48,7 @@ from celery_ojs_ml.integration.fleet_view import (
     pending_job,
     worker_states,
 )
-from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS, rendezvous
+from celery_ojs_ml.integration.gangs import rendezvous
 from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.integration.prefetching import Prefetching
@@ -55,7 +58,6 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
-from celery_ojs_ml.spec.resources import gpu_share
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,6 @@ _RETURN_BACKOFF_S = 0.5
 """How long a job given back by a gate (or taken back) waits before it is assigned again."""
 _ADMIT_BATCH = 200
 """Most intake messages admitted per transaction (prefetch is 256)."""
-
-HEADER_ASSIGN = "ojs_assign"
-HEADER_VICTIMS = "ojs_victims"
-HEADER_PREFETCH = "ojs_prefetch"
-
-
-def worker_queue_name(prefix: str, worker: str) -> str:
-    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
-    return f"{prefix}.ml.w.{worker}"
 
 
 def send_wake(app: Any, worker: str) -> None:
@@ -92,7 +85,7 @@ def send_wake(app: Any, worker: str) -> None:
         )
 
 
-class FleetScheduler(Intake, Prefetching):
+class FleetScheduler(Intake, Prefetching, Delivery):
     """One candidate for the scheduler lock; `run()` loops until `stop()`."""
 
     def __init__(self, app: Any, candidate: str | None = None) -> None:
@@ -261,18 +254,20 @@ class FleetScheduler(Intake, Prefetching):
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
-        for a in decision.assignments:
-            if a.task_id.startswith(PREFIX):
-                self._place(a.task_id[len(PREFIX) :], a.worker)
-                continue
-            self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
-        for d in decision.denials:
-            self._deny(d.task_id, records.get(d.task_id), d.note)
-        for p in decision.preemptions:
-            self._deliver(p.task_id, p.worker, records[p.task_id], jobs[p.task_id], p.victims, now)
-        if self.settings.prefetch:
-            self._unhold(decision, fleet, records, jobs)
-            self._prefetch(decision, records, jobs, now)
+        with self._batch():  # every delivery of the pass in one broker round trip
+            for a in decision.assignments:
+                if a.task_id.startswith(PREFIX):
+                    self._place(a.task_id[len(PREFIX) :], a.worker)
+                    continue
+                self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
+            for d in decision.denials:
+                self._deny(d.task_id, records.get(d.task_id), d.note)
+            for p in decision.preemptions:
+                job = jobs[p.task_id]
+                self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
+            if self.settings.prefetch:
+                self._unhold(decision, fleet, records, jobs)
+                self._prefetch(decision, records, jobs, now)
         self._annotate(decision)
         self.passes += 1
         return decision
@@ -356,53 +351,6 @@ class FleetScheduler(Intake, Prefetching):
         except Exception:
             return False
 
-    def _deliver(
-        self,
-        task_id: str,
-        worker: str,
-        record: dict[str, Any],
-        job: PendingJob,
-        victims: tuple[str, ...],
-        now: float,
-        *,
-        prefetch: bool = False,
-    ) -> None:
-        token = self.book.assign(task_id, worker, now=now, victims=victims)
-        if token is None:
-            return
-        if prefetch:
-            self._prefetched[task_id] = worker
-        from celery_ojs_ml.allocator.model import Demand
-
-        share = job.req if gpu_share(job.req) is not None else None
-        self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels, share)
-        if job.queue in self._budgeted:
-            gpus = int(job.req.ext_ml_gpu_count or 0)
-            self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
-        msg = record["msg"]
-        headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
-        if prefetch:
-            headers[HEADER_PREFETCH] = True
-        if task_id in self._rendezvous:
-            headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
-        headers.pop("ojs_pending", None)
-        name = worker_queue_name(self.settings.store_prefix, worker)
-        queue = ml_queue(name)
-        assert self._producer is not None
-        self._producer.publish(
-            base64.b64decode(msg["body"]),
-            exchange=name,
-            routing_key=name,
-            headers=headers,
-            content_type=msg.get("content_type") or "application/json",
-            content_encoding=msg.get("content_encoding") or "utf-8",
-            declare=[] if name in self._declared else [queue],
-            **msg.get("properties", {}),
-        )
-        self._declared.add(name)
-        what = f"preempting {', '.join(victims)}" if victims else "to start"
-        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
-
     @staticmethod
     def _cooling(record: dict[str, Any], now: float) -> bool:
         """Just given or taken back: sit out `_RETURN_BACKOFF_S`, so a job the leader's view
@@ -416,42 +364,3 @@ class FleetScheduler(Intake, Prefetching):
         gone = [t for t in self._holds if t not in records]
         started = self.book.started_at(gone) if gone else {}
         return budget_inflight(self._holds, records, leases, live, started)
-
-    def _escalations(self, decision: Decision, jobs: dict[str, PendingJob]) -> None:
-        """Log and send `ojs-escalated` once for each job a pass first sees escalated (§8.4)."""
-        fresh = [(t, was) for t, was in decision.escalations.items() if t not in self._escalated]
-        if not fresh:
-            return
-        with self.app.events.default_dispatcher() as dispatcher:
-            for task_id, was in fresh:
-                self._escalated[task_id] = True
-                to = jobs[task_id].req.ext_ml_escalation_target_class
-                log.info("ojs-ml: %s escalated from %s to %s (OJS ML §8.4)", task_id, was, to)
-                dispatcher.send("ojs-escalated", uuid=task_id, band_from=was, band_to=to)
-
-    def _annotate(self, decision: Decision) -> None:
-        changed: dict[str, tuple[str, float | None, str | None]] = {}
-        events = []
-        for task_id, note in decision.annotations.items():
-            if task_id.startswith(PREFIX):
-                self.reservations.note(task_id[len(PREFIX) :], note.reason_pending)
-                continue
-            key = (note.reason_pending, note.t_estimate)
-            if self._notes.get(task_id) == key:
-                continue
-            first = task_id not in self._notes
-            self._notes[task_id] = key
-            changed[task_id] = (note.reason_pending, note.t_estimate, note.worker)
-            if first:
-                events.append(note)
-        self.book.annotate(changed)
-        if events:
-            with self.app.events.default_dispatcher() as dispatcher:
-                for note in events:
-                    dispatcher.send(
-                        "ojs-resource-waiting",
-                        uuid=note.task_id,
-                        reason=note.reason_pending,
-                        t_estimate=note.t_estimate,
-                        worker=note.worker,
-                    )

@@ -33,6 +33,7 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child, warm_pool
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.advertising import Advertising
+from celery_ojs_ml.integration.delivery import worker_queue_name
 from celery_ojs_ml.integration.gangs import (
     primary_address,
     store_rank_result,
@@ -41,7 +42,7 @@ from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.reservations import ReservationBook
 from celery_ojs_ml.integration.scheduler_process import start_candidate
-from celery_ojs_ml.integration.scheduling import send_wake, worker_queue_name
+from celery_ojs_ml.integration.scheduling import send_wake
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.spec.resources import MLRequirements

@@ -1,0 +1,154 @@
+"""Delivering a pass's decisions: assignments to workers' queues, annotations, events.
+
+A mixin of `scheduling.FleetScheduler`, split out of it to keep modules small;
+every attribute below is set by `FleetScheduler.__init__`.
+
+Key decisions (see `scheduling`'s module doc):
+* An assignment is recorded in the store with a fresh token before its
+  message is published to `<prefix>.ml.w.<worker>`, the one ML queue that
+  worker consumes, as the job's own Celery message plus the token.
+* A pass's deliveries go out in one kombu publish batch (one pipeline on
+  Redis); a leader that dies before the flush leaves recorded assignments that
+  are taken back after `ojs_ml_assignment_timeout_s`, as any lost delivery is.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+from typing import Any
+
+from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.integration.fleet_view import BudgetHold, Ledger
+from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
+from celery_ojs_ml.integration.reservations import ReservationBook
+from celery_ojs_ml.integration.routing import ml_queue
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.scheduler import Decision, PendingJob
+from celery_ojs_ml.scheduler.pools import PREFIX
+from celery_ojs_ml.spec.resources import gpu_share
+
+log = logging.getLogger("celery_ojs_ml.integration.scheduling")
+
+HEADER_ASSIGN = "ojs_assign"
+HEADER_VICTIMS = "ojs_victims"
+HEADER_PREFETCH = "ojs_prefetch"
+
+
+def worker_queue_name(prefix: str, worker: str) -> str:
+    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
+    return f"{prefix}.ml.w.{worker}"
+
+
+class Delivery:
+    """Assign, publish, annotate (see module doc)."""
+
+    app: Any
+    settings: Any
+    book: PendingBook
+    ledger: Ledger
+    reservations: ReservationBook
+    _producer: Any
+    _declared: set[str]
+    _prefetched: dict[str, str]
+    _budgeted: set[str]
+    _holds: dict[str, BudgetHold]
+    _rendezvous: dict[str, dict[str, Any]]
+    _escalated: LRU[str, bool]
+    _notes: LRU[str, tuple[str, float | None]]
+
+    def _batch(self) -> Any:
+        """kombu's publish batch (kombu >= 5.7; one pipeline on Redis), else nothing.
+
+        Each assignment is recorded in the store before the batch is flushed, so
+        a leader that dies in between leaves assignments that are taken back
+        after `ojs_ml_assignment_timeout_s`, as any lost delivery is.
+        """
+        batch = getattr(self._producer, "batch", None)
+        return batch() if batch is not None else contextlib.nullcontext()
+
+    def _deliver(
+        self,
+        task_id: str,
+        worker: str,
+        record: dict[str, Any],
+        job: PendingJob,
+        victims: tuple[str, ...],
+        now: float,
+        *,
+        prefetch: bool = False,
+    ) -> None:
+        token = self.book.assign(task_id, worker, now=now, victims=victims)
+        if token is None:
+            return
+        if prefetch:
+            self._prefetched[task_id] = worker
+        share = job.req if gpu_share(job.req) is not None else None
+        self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels, share)
+        if job.queue in self._budgeted:
+            gpus = int(job.req.ext_ml_gpu_count or 0)
+            self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
+        msg = record["msg"]
+        headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
+        if prefetch:
+            headers[HEADER_PREFETCH] = True
+        if task_id in self._rendezvous:
+            headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
+        headers.pop("ojs_pending", None)
+        name = worker_queue_name(self.settings.store_prefix, worker)
+        queue = ml_queue(name)
+        assert self._producer is not None
+        self._producer.publish(
+            base64.b64decode(msg["body"]),
+            exchange=name,
+            routing_key=name,
+            headers=headers,
+            content_type=msg.get("content_type") or "application/json",
+            content_encoding=msg.get("content_encoding") or "utf-8",
+            declare=[] if name in self._declared else [queue],
+            **msg.get("properties", {}),
+        )
+        self._declared.add(name)
+        what = f"preempting {', '.join(victims)}" if victims else "to start"
+        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    def _escalations(self, decision: Decision, jobs: dict[str, PendingJob]) -> None:
+        """Log and send `ojs-escalated` once for each job a pass first sees escalated (§8.4)."""
+        fresh = [(t, was) for t, was in decision.escalations.items() if t not in self._escalated]
+        if not fresh:
+            return
+        with self.app.events.default_dispatcher() as dispatcher:
+            for task_id, was in fresh:
+                self._escalated[task_id] = True
+                to = jobs[task_id].req.ext_ml_escalation_target_class
+                log.info("ojs-ml: %s escalated from %s to %s (OJS ML §8.4)", task_id, was, to)
+                dispatcher.send("ojs-escalated", uuid=task_id, band_from=was, band_to=to)
+
+    def _annotate(self, decision: Decision) -> None:
+        changed: dict[str, tuple[str, float | None, str | None]] = {}
+        events = []
+        for task_id, note in decision.annotations.items():
+            if task_id.startswith(PREFIX):
+                self.reservations.note(task_id[len(PREFIX) :], note.reason_pending)
+                continue
+            key = (note.reason_pending, note.t_estimate)
+            if self._notes.get(task_id) == key:
+                continue
+            first = task_id not in self._notes
+            self._notes[task_id] = key
+            changed[task_id] = (note.reason_pending, note.t_estimate, note.worker)
+            if first:
+                events.append(note)
+        self.book.annotate(changed)
+        if events:
+            with self.app.events.default_dispatcher() as dispatcher:
+                for note in events:
+                    dispatcher.send(
+                        "ojs-resource-waiting",
+                        uuid=note.task_id,
+                        reason=note.reason_pending,
+                        t_estimate=note.t_estimate,
+                        worker=note.worker,
+                    )
