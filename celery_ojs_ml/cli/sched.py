@@ -27,7 +27,26 @@ def scheduler_part(plugin: OJSML) -> dict[str, Any]:
     jobs = {task_id: entry(record) for task_id, record in book.records().items()}
     raw = plugin.store.client.get(plugin.store.key("scheduler", "budgets"))
     budgets = json.loads(raw) if raw else {}
-    return {"leader": book.leader(), "jobs": jobs, "budgets": budgets}
+    part = {"leader": book.leader(), "jobs": jobs, "budgets": budgets}
+    return {**part, "intake": intake_depth(plugin)}
+
+
+def intake_depth(plugin: OJSML) -> dict[str, int] | None:
+    """`{"waiting", "taken"}` messages in the intake queue (Redis brokers), else None."""
+    from celery_ojs_ml.integration import redis_intake
+    from celery_ojs_ml.integration.routing import intake_name
+
+    try:
+        with plugin.app.connection_for_read() as conn:
+            channel = conn.default_channel
+            if not redis_intake.supports(channel):
+                return None
+            name = intake_name(plugin.settings.store_prefix)
+            waiting, taken = redis_intake.depth(channel, name)
+    except Exception as exc:  # the rest of `status` is still worth showing
+        logging.getLogger(__name__).debug("ojs-ml: no intake depth: %s", exc)
+        return None
+    return {"waiting": waiting, "taken": taken}
 
 
 def entry(record: dict[str, Any]) -> dict[str, Any]:
@@ -57,7 +76,8 @@ def render(part: dict[str, Any], now: float) -> str:
     else:
         head = "scheduler: no leader (start a worker, or `celery -A proj ojs-ml scheduler`)"
     jobs = part.get("jobs") or {}
-    lines = [head, *_budget_lines(part.get("budgets") or {}), f"scheduled jobs: {len(jobs)}"]
+    lines = [head, *_intake_lines(part.get("intake") or {}, bool(leader))]
+    lines += [*_budget_lines(part.get("budgets") or {}), f"scheduled jobs: {len(jobs)}"]
     for task_id, job in sorted(jobs.items(), key=lambda kv: kv[1].get("since") or 0):
         if job["state"] == "assigned":
             lines.append(f"  {task_id}  assigned to {job['worker']} ({job['task']})")
@@ -68,6 +88,17 @@ def render(part: dict[str, Any], now: float) -> str:
         lines.append(f"  {task_id}  {job['task']}, band {job['band']}, {when}{where}")
         lines.append(f"      reason: {job['reason_pending']}")
     return "\n".join(lines)
+
+
+def _intake_lines(intake: dict[str, Any], leading: bool) -> list[str]:
+    """Jobs published but not admitted yet; none shown when the intake is empty."""
+    waiting, taken = int(intake.get("waiting") or 0), int(intake.get("taken") or 0)
+    if not waiting and not taken:
+        return []
+    line = f"intake: {waiting} published, not yet admitted"
+    if taken:
+        line += f"; {taken} taken by a leader, admitted first by the next one"
+    return [line + ("" if leading else " (they wait for a leader)")]
 
 
 def _budget_lines(budgets: dict[str, Any]) -> list[str]:

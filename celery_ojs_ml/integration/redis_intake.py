@@ -145,3 +145,14 @@ class RedisIntake:
                 log.error("ojs-ml: dropping an intake message that is not kombu JSON: %s", exc)
                 self.settled.append(raw)
         return out
+
+
+def depth(channel: Any, queue: str) -> tuple[int, int]:
+    """(messages published to the intake and not yet taken, messages a leader took and has
+    not settled yet): what `celery ojs-ml status` shows while jobs wait to be admitted."""
+    reader = RedisIntake(channel, queue, batch=1)
+    with reader.client.pipeline(transaction=False) as pipe:
+        for key in (*reader.keys, reader.processing):
+            pipe.llen(key)
+        counts = [int(n) for n in pipe.execute()]
+    return sum(counts[:-1]), counts[-1]

@@ -185,3 +185,18 @@ def test_task_ids_of_a_chain_are_in_step_order() -> None:
     last = AsyncResult("2", app=app, parent=first)
     group = GroupResult("g", [AsyncResult("a", app=app), AsyncResult("b", app=app)], app=app)
     assert (task_ids(last), task_ids(group)) == (["1", "2"], ["a", "b"])
+
+
+def test_status_shows_jobs_published_but_not_admitted_and_says_when_no_leader_admits_them() -> None:
+    from celery_ojs_ml.cli import sched
+
+    part = {"leader": None, "jobs": {}, "intake": {"waiting": 3, "taken": 1}}
+    assert sched.render(part, NOW).splitlines()[:2] == [
+        "scheduler: no leader (start a worker, or `celery -A proj ojs-ml scheduler`)",
+        "intake: 3 published, not yet admitted; 1 taken by a leader, admitted first by the "
+        "next one (they wait for a leader)",
+    ]
+    leading = {"leader": {"id": "w1@h", "since": NOW - 30}, "intake": {"waiting": 2, "taken": 0}}
+    assert "intake: 2 published, not yet admitted" in sched.render(leading, NOW).splitlines()
+    empty = {"leader": None, "jobs": {}, "intake": {"waiting": 0, "taken": 0}}
+    assert not any(line.startswith("intake") for line in sched.render(empty, NOW).splitlines())

@@ -146,3 +146,23 @@ def test_a_job_taken_by_a_leader_that_died_before_admitting_it_runs_once_under_t
     finally:
         worker.stop()
         app.close()
+
+
+def test_status_counts_the_jobs_the_intake_holds_waiting_and_taken(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """`celery ojs-ml status` (the scheduler part) says how many jobs wait to be admitted."""
+    from celery_ojs_ml.cli.sched import intake_depth
+
+    app: Celery = make_app(redis_url)
+    try:
+        assert intake_depth(app.ojs_ml) == {"waiting": 0, "taken": 0}
+        for n in range(3):
+            app.tasks["ml.record"].apply_async(args=[f"job-{n}", 0.0])
+        assert intake_depth(app.ojs_ml) == {"waiting": 3, "taken": 0}
+        with app.connection_for_write() as conn:
+            name = intake_name(app.ojs_ml.settings.store_prefix)
+            assert len(RedisIntake(conn.channel(), name, batch=2).pop(0.0)) == 2
+        assert intake_depth(app.ojs_ml) == {"waiting": 1, "taken": 2}
+    finally:
+        app.close()
