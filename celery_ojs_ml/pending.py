@@ -316,20 +316,49 @@ class PendingBook:
 
         return str(self._transaction(key, txn))
 
-    def give_back(self, task_id: str, token: str, reason: str, *, cool: bool = True) -> bool:
+    def give_back(
+        self,
+        task_id: str,
+        token: str,
+        reason: str,
+        *,
+        cool: bool = True,
+        msg: dict[str, Any] | None = None,
+    ) -> bool:
         """`assigned` (with this token) -> `pending` with a reason; the gate could not run it.
 
         `cool`: stamp `returned_at`, so the scheduler lets the job sit out a moment.
+        `msg`: the message of a copy the gate got *again* (see `start`): a `started`
+        record of this token goes back to `pending` with it. The gate passes it only
+        when no lease shows the first run alive: the run died before its lease was
+        written, its message was restored by the broker, and that copy is the only
+        one left, so dropping it would lose the job.
         """
+        key = self._key(task_id)
         fields = {"state": PENDING, "reason": reason}
         if cool:
             fields["returned_at"] = repr(self.store._clock())
-        return self._cas(
-            task_id,
-            lambda r: r.get("state") == ASSIGNED and r.get("token") == token,
-            fields,
-            drop=("token", "worker", "assigned_at", *(() if cool else ("returned_at",))),
-        )
+        drop = ("token", "worker", "assigned_at", *(() if cool else ("returned_at",)))
+
+        def txn(pipe: Any) -> bool:
+            raw = pipe.hgetall(key)
+            record = _decode(raw) if raw else {}
+            if record.get("token") != token:
+                return False
+            again = record.get("state") == STARTED and msg is not None
+            if record.get("state") != ASSIGNED and not again:
+                return False
+            pipe.multi()
+            pipe.hset(key, mapping={**fields, **({"msg": json.dumps(msg)} if again else {})})
+            pipe.hdel(key, *drop, *(("started_at",) if again else ()))
+            if again:  # a waiting job again: no tombstone expiry, back in the index
+                pipe.persist(key)
+                meta = record.get("meta")
+                meta = meta if isinstance(meta, dict) else {}
+                pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
+            return True
+
+        return bool(self._transaction(key, txn))
 
     def take_back(self, task_id: str, token: str, reason: str, *, cool: bool = True) -> bool:
         """The scheduler takes back an assignment its worker did not start (fenced by token)."""

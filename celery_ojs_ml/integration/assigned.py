@@ -14,6 +14,7 @@ job runs at most once per assignment:
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation
 from celery_ojs_ml.integration.delivery import HEADER_ASSIGN, HEADER_VICTIMS
+from celery_ojs_ml.integration.routing import SCHEDULER_HEADERS
 
 if TYPE_CHECKING:
     from celery_ojs_ml.integration.worker import MLWorker
@@ -72,17 +74,51 @@ def hold_for_victims(gate: MLWorker, req: Any, grace_s: float) -> None:
 
 
 def give_back(gate: MLWorker, req: Any, reason: str) -> None:
-    """The assignment cannot run here: back to the scheduler with the reason; drop the copy."""
+    """The assignment cannot run here: back to the scheduler with the reason; drop the copy.
+
+    A copy delivered *again* (its run started here, then died before its lease
+    was written, and the broker restored the message) is the job's only copy
+    when no lease shows that run alive: it goes back to the pending set with
+    this message, never dropped alone.
+    """
     token = token_of(req)
     assert token is not None
     why = f"assigned to {gate.hostname}, which gave it back: {reason}"
     try:
-        gate.book.give_back(req.id, token, why)
+        if (
+            not gate.book.give_back(req.id, token, why)
+            and gate.leases.get(req.id) is None
+            and gate.book.give_back(req.id, token, why, msg=message_of(req))
+        ):
+            log.warning("ojs-ml: %s was delivered again after its run died unleased", req.id)
     except Exception as exc:  # the scheduler takes it back after the assignment timeout
         log.warning("ojs-ml: could not give %s back: %s", req.id, exc)
     log.info("ojs-ml: gave %s back to the scheduler: %s", req.id, reason)
     drop(req)
     gate.wake_scheduler()
+
+
+_GATE_HEADERS = ("ojs_devices", "ojs_node", "ojs_pin", "ojs_lease", "ojs_gpu_share")
+"""What the gate adds to a request's headers when it dispatches it (`Gate._dispatch`)."""
+
+
+def message_of(req: Any) -> dict[str, Any]:
+    """A delivered request as the pending set stores a message (`Intake._on_message`)."""
+    body = req.body if isinstance(req.body, bytes) else str(req.body).encode()
+    skip = (*SCHEDULER_HEADERS, *_GATE_HEADERS)
+    headers = {k: v for k, v in req.request_dict.items() if k not in skip}
+    properties = {
+        "correlation_id": req.correlation_id,
+        "reply_to": req.reply_to,
+        "priority": (req.delivery_info or {}).get("priority"),
+    }
+    return {
+        "body": base64.b64encode(body).decode(),
+        "content_type": req.content_type,
+        "content_encoding": req.content_encoding,
+        "headers": headers,
+        "properties": {k: v for k, v in properties.items() if v is not None},
+    }
 
 
 def drop(req: Any) -> None:

@@ -356,6 +356,36 @@ def test_returning_a_started_job_changes_nothing(book: PendingBook) -> None:
     assert book.records() == {}
 
 
+def test_a_started_job_given_back_with_its_redelivered_message_waits_again(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    """A copy delivered again after its run died unleased is the job's only copy (no loss)."""
+    token = _assigned(book)
+    assert book.start("job-1", token, "w1@host") == "ok"
+    again = {**_msg("job-1"), "body": "the-redelivered-copy"}
+    assert book.give_back("job-1", token, "no room", msg=again) is True
+    record = book.get("job-1")
+    assert record is not None and record["state"] == PENDING
+    assert record["msg"] == again and record["reason"] == "no room"
+    for gone in ("token", "worker", "assigned_at", "started_at"):
+        assert gone not in record
+    assert redis_client.ttl(book._key("job-1")) == -1, "a waiting job has no tombstone expiry"
+    assert list(book.records()) == ["job-1"]
+    assert book.assign("job-1", "w2@host", now=600.0) is not None, "it is placed again"
+
+
+def test_a_started_job_is_given_back_only_with_its_own_token_and_message(
+    book: PendingBook,
+) -> None:
+    token = _assigned(book)
+    assert book.start("job-1", token, "w1@host") == "ok"
+    assert book.give_back("job-1", token, "no room") is False, "no message: nothing to restore"
+    assert book.give_back("job-1", "not-" + token, "late", msg=_msg("job-1")) is False
+    record = book.get("job-1")
+    assert record is not None and record["state"] == STARTED
+    assert book.records() == {}
+
+
 def test_a_start_with_the_token_of_a_taken_back_assignment_is_stale(book: PendingBook) -> None:
     old = _assigned(book, worker="w1@host")
     assert book.take_back("job-1", old, "worker w1@host did not start it in time") is True
