@@ -20,6 +20,8 @@ Key decisions:
 Layout (prefix `ojs`):
     ojs:{ml}:pjob:<task id>     hash  state, msg, meta, worker, token, assigned_at, reason, ...
     ojs:{ml}:pjobs              zset  task id -> admitted at (waiting or assigned jobs)
+    ojs:{ml}:pdirty             set   task ids another client changed since the leader's
+                                      last pass (`PendingView` reads only those again)
     ojs:{ml}:scheduler:leader   string  JSON {id, since}, PX = ojs_ml_leader_ttl_s
 """
 
@@ -72,9 +74,22 @@ _ASSIGN = """
 if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'assigned', 'worker', ARGV[1], 'token', ARGV[2],
            'assigned_at', ARGV[3], 'victims', ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[5])
 return 1
 """
 """`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua."""
+
+
+_PRUNE = """
+for i, task_id in ipairs(ARGV) do
+  local state = redis.call('HGET', KEYS[i + 1], 'state')
+  if state ~= 'pending' and state ~= 'assigned' then
+    redis.call('ZREM', KEYS[1], task_id)
+  end
+end
+return 0
+"""
+"""`read`'s index pruning, checked again per job at the moment of removal."""
 
 
 def _text(value: Any) -> str:
@@ -97,6 +112,8 @@ class PendingBook:
         self.store = store
         self._r = store.client
         self._index = store.key("pjobs")
+        self._changed = store.key("pdirty")
+        self._prune_script: Any = self._r.register_script(_PRUNE)
         self._start_script: Any = self._r.register_script(_START)
         self._assign_script: Any = self._r.register_script(_ASSIGN)
         self._leader = store.key("scheduler", "leader")
@@ -148,6 +165,7 @@ class PendingBook:
                 fields = {"state": PENDING, "msg": json.dumps(msg), "meta": json.dumps(meta)}
                 pipe.hset(key, mapping={**fields, "admitted_at": now, "seen": json.dumps(seen)})
                 pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
+                pipe.sadd(self._changed, task_id)
             return fresh
 
         return list(self._transaction(keys, txn))
@@ -176,6 +194,21 @@ class PendingBook:
         message of an admission whose message it already holds is not read again.
         """
         ids = [_text(i) for i in self._r.zrange(self._index, 0, -1)]
+        found = self.read(ids, lean=lean)
+        return {task_id: found[task_id] for task_id in ids if task_id in found}
+
+    def index_and_changes(self) -> tuple[list[str], set[str]]:
+        """The index (admission order) and the ids marked changed since the last call, taken
+        in one transaction: a change made after it is marked again for the next call."""
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.zrange(self._index, 0, -1)
+            pipe.smembers(self._changed)
+            pipe.delete(self._changed)
+            ids, changed, _ = pipe.execute()
+        return [_text(i) for i in ids], {_text(i) for i in changed}
+
+    def read(self, ids: list[str], *, lean: bool = True) -> dict[str, dict[str, Any]]:
+        """The waiting or assigned records of `ids`; the others leave the index."""
         if not ids:
             return {}
         raws = self._lean(ids) if lean else self._full(ids)
@@ -192,8 +225,21 @@ class PendingBook:
             else:
                 found[task_id] = record
         if gone:
-            self._r.zrem(self._index, *gone)
+            self._prune(gone)
         return found
+
+    def _prune(self, gone: list[str]) -> None:
+        """Drop index entries whose job neither waits nor is assigned *now* (a job put back
+        since it was read, `give_back` with `msg`, keeps its entry)."""
+        if self._prune_script is not None:
+            try:
+                self._prune_script(keys=[self._index, *map(self._key, gone)], args=gone)
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                raise
+            except _NO_SCRIPTING:
+                self._prune_script = None
+        self._r.zrem(self._index, *gone)
 
     def _full(self, ids: list[str]) -> list[Any]:
         with self._r.pipeline(transaction=False) as pipe:
@@ -260,9 +306,10 @@ class PendingBook:
             "victims": json.dumps(list(victims)),
         }
         if self._assign_script is not None:
-            args = [worker, token, fields["assigned_at"], fields["victims"]]
+            args = [worker, token, fields["assigned_at"], fields["victims"], task_id]
+            keys = [self._key(task_id), self._changed]
             try:
-                return token if self._assign_script(keys=[self._key(task_id)], args=args) else None
+                return token if self._assign_script(keys=keys, args=args) else None
             except (redis.ConnectionError, redis.TimeoutError):
                 raise
             except _NO_SCRIPTING as exc:
@@ -351,6 +398,7 @@ class PendingBook:
             pipe.multi()
             pipe.hset(key, mapping={**fields, **({"msg": json.dumps(msg)} if again else {})})
             pipe.hdel(key, *drop, *(("started_at",) if again else ()))
+            pipe.sadd(self._changed, task_id)
             if again:  # a waiting job again: no tombstone expiry, back in the index
                 pipe.persist(key)
                 meta = record.get("meta")
@@ -389,6 +437,7 @@ class PendingBook:
             pipe.multi()
             pipe.hset(key, "state", CANCELLED)
             pipe.hdel(key, "msg")
+            pipe.sadd(self._changed, task_id)
             pipe.expire(key, TOMBSTONE_S)
             pipe.zrem(self._index, task_id)
             return True
@@ -400,6 +449,13 @@ class PendingBook:
         return self._cas(
             task_id, lambda r: r.get("state") == PENDING, {"priority": str(int(priority))}
         )
+
+    def hold(self, task_id: str, until: float) -> None:
+        """The gate holds the job while its victims yield, until `until` (epoch seconds)."""
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key(task_id), "hold_until", json.dumps(until))
+            pipe.sadd(self._changed, task_id)
+            pipe.execute()
 
     # -- the scheduler lock ----------------------------------------------------------------
 
@@ -461,6 +517,7 @@ class PendingBook:
             pipe.hset(key, mapping=fields)
             if drop:
                 pipe.hdel(key, *drop)
+            pipe.sadd(self._changed, task_id)
             return True
 
         return bool(self._transaction(key, txn))

@@ -215,10 +215,12 @@ class OJSStore:
         ttl_s: float = 10.0,
         info: dict[str, Any] | None = None,
         held: list[dict[str, Any]] | None = None,
+        push: tuple[str, bytes] | None = None,
     ) -> None:
         """Publish a worker's heartbeat; it stays live for `ttl_s` seconds unless refreshed.
 
-        With `held`, the worker's held-jobs snapshot (`set_held`) goes in the same write.
+        With `held`, the worker's held-jobs snapshot (`set_held`) goes in the same write;
+        with `push` (list key, value), an LPUSH too (a wake-up of the scheduler).
         """
         payload = {
             "capabilities": capabilities,
@@ -229,7 +231,7 @@ class OJSStore:
         items: list[tuple[str, str, Any]] = [("worker", worker, payload)]
         if held is not None:
             items.append(("held", worker, held))
-        self._put_many(items, ttl_s)
+        self._put_many(items, ttl_s, push)
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""
@@ -268,13 +270,20 @@ class OJSStore:
     def _put(self, kind: str, name: str, payload: Any, ttl_s: float) -> None:
         self._put_many([(kind, name, payload)], ttl_s)
 
-    def _put_many(self, items: list[tuple[str, str, Any]], ttl_s: float) -> None:
+    def _put_many(
+        self,
+        items: list[tuple[str, str, Any]],
+        ttl_s: float,
+        push: tuple[str, bytes] | None = None,
+    ) -> None:
         ttl_ms = _ttl_ms(ttl_s)
         expires_ms = round(self._clock() * 1000) + ttl_ms
         with self._r.pipeline(transaction=True) as pipe:
             for kind, name, payload in items:
                 pipe.set(self.key(kind, name), _dumps(payload), px=ttl_ms)
                 pipe.zadd(self.key("index", kind), {name: expires_ms})
+            if push is not None:
+                pipe.lpush(push[0], push[1])
             pipe.execute()
 
     def _drop(self, kind: str, name: str) -> None:

@@ -72,17 +72,25 @@ class Advertising(Gate):
     _declared: set[str]
     _bound: dict[str, Any]
     _bad_classes: set[str]
+    _caps_doc: dict[str, Any] | None
 
-    def advertise(self) -> None:
-        """Heartbeat: capabilities and free capacity into the live-worker registry."""
+    def advertise(self, wake: tuple[str, bytes] | None = None) -> None:
+        """Heartbeat: capabilities and free capacity into the live-worker registry.
+
+        `wake` (a wake-up's list and message, `redis_intake.wake_list`): capacity
+        changed; the wake-up goes in the same round trip, and the capabilities are
+        those of the last heartbeat (live models are read again at the next one).
+        """
         ttl = 3 * self.settings.heartbeat_s
         with self.lock:
             snap = self.allocator.snapshot()
             held = [p.as_dict() for p in self.allocator.held()]
         try:
+            if wake is None or self._caps_doc is None:
+                self._caps_doc = self._advertised_caps()
             self.store.advertise(
                 self.hostname,
-                self._advertised_caps(),
+                self._caps_doc,
                 snap,
                 ttl_s=ttl,
                 info={
@@ -92,6 +100,7 @@ class Advertising(Gate):
                     "address": self.address,
                 },
                 held=held,
+                push=wake,
             )
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)

@@ -15,7 +15,6 @@ job runs at most once per assignment:
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,7 +49,7 @@ def may_start(gate: MLWorker, req: Any, alloc: Allocation) -> bool:
     if token is None:
         return True
     outcome = gate.book.start(req.id, token, gate.hostname)
-    if outcome == "again" and gate.leases.get(req.id) is None:
+    if outcome == "again" and not _alive(gate, req.id):
         log.warning("ojs-ml: %s is delivered again and holds no lease; running it again", req.id)
         return True
     if outcome in ("stale", "again"):
@@ -66,9 +65,8 @@ def may_start(gate: MLWorker, req: Any, alloc: Allocation) -> bool:
 def hold_for_victims(gate: MLWorker, req: Any, grace_s: float) -> None:
     """Tell the scheduler this worker holds the job while its victims yield."""
     until = time.time() + grace_s + gate.settings.max_hold_s
-    key = gate.book._key(req.id)
     try:
-        gate.store.client.hset(key, "hold_until", json.dumps(until))
+        gate.book.hold(req.id, until)
     except Exception as exc:
         log.warning("ojs-ml: could not record the hold of %s: %s", req.id, exc)
 
@@ -87,7 +85,7 @@ def give_back(gate: MLWorker, req: Any, reason: str) -> None:
     try:
         if (
             not gate.book.give_back(req.id, token, why)
-            and gate.leases.get(req.id) is None
+            and not _alive(gate, req.id)
             and gate.book.give_back(req.id, token, why, msg=message_of(req))
         ):
             log.warning("ojs-ml: %s was delivered again after its run died unleased", req.id)
@@ -96,6 +94,13 @@ def give_back(gate: MLWorker, req: Any, reason: str) -> None:
     log.info("ojs-ml: gave %s back to the scheduler: %s", req.id, reason)
     drop(req)
     gate.wake_scheduler()
+
+
+def _alive(gate: MLWorker, task_id: str) -> bool:
+    """Whether the first run of a copy delivered again may still be running: it holds a
+    lease, or it runs here (its lease write failed, so the broker kept its message unacked
+    and restored it after the visibility timeout)."""
+    return task_id in gate._requests or gate.leases.get(task_id) is not None
 
 
 _GATE_HEADERS = ("ojs_devices", "ojs_node", "ojs_pin", "ojs_lease", "ojs_gpu_share")

@@ -36,7 +36,7 @@ from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 
-HEADER_WAKE = "ojs_wake"
+HEADER_WAKE = redis_intake.WAKE_HEADER
 _PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
 _POP_BATCH = 64
 """Most messages the Redis intake moves per round trip."""

@@ -16,6 +16,10 @@ would notice, the leader reads the broker's lists itself instead:
 * With nothing to read, the leader blocks on the priority-0 list (where
   wake-ups and jobs without a priority land) in slices of `POLL_S`; a job
   published with a Celery priority of 3 or more waits at most that long.
+* A worker whose store is the broker's Redis pushes its wake-ups on that list
+  itself (`wake_list`, `wake_message`), in the same round trip as its
+  advertisement, instead of a kombu publish (an exchange lookup and a publish:
+  the largest part of what a finished job cost the worker's main process).
 
 This is the one module that relies on kombu's Redis list layout; checked
 against kombu 5.7.0, and `tests/integration/test_redis_intake.py` fails when
@@ -34,6 +38,8 @@ import redis
 
 log = logging.getLogger(__name__)
 
+WAKE_HEADER = "ojs_wake"
+"""The header of a worker's wake-up message on the intake (`intake.HEADER_WAKE`)."""
 POLL_S = 0.2
 """Longest slice the leader blocks for on the priority-0 list."""
 PROCESSING_SUFFIX = ".ojs-processing"
@@ -61,6 +67,32 @@ def supports(channel: Any) -> bool:
     return isinstance(channel, kombu_redis.Channel) and all(
         hasattr(channel, name) for name in ("pool", "sep", "priority_steps", "_q_for_pri")
     )
+
+
+def wake_list(app: Any, intake: str) -> str | None:
+    """The intake's priority-0 list, where a worker may push its wake-ups with the store's
+    own client: when the store is the broker's Redis (`ojs_ml_store_url` unset or the
+    broker URL) and kombu adds no `global_keyprefix`; else None (publish through kombu)."""
+    broker = str(app.conf.broker_url or "")
+    store = app.ojs_ml.settings.store_url
+    options = app.conf.broker_transport_options or {}
+    if not broker.startswith(("redis://", "rediss://", "unix://")) or options.get(
+        "global_keyprefix"
+    ):
+        return None
+    return intake if store in (None, broker) else None
+
+
+def wake_message(worker: str) -> bytes:
+    """A wake-up as kombu's Redis transport stores a message on a list (`IntakeMessage`)."""
+    doc = {
+        "body": "",
+        "content-type": "application/json",
+        "content-encoding": "utf-8",
+        "headers": {WAKE_HEADER: worker},
+        "properties": {},
+    }
+    return json.dumps(doc).encode()
 
 
 class IntakeMessage:

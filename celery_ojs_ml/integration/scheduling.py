@@ -56,6 +56,7 @@ from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
+from celery_ojs_ml.pending_view import PendingView
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
 
@@ -94,6 +95,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         s = self.settings = plugin.settings
         self.store = plugin.store
         self.book = PendingBook(self.store)
+        self.view = PendingView(self.book)
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
         self.candidate = candidate or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         self.admission = Admission(s.parse_options().bounds, s.max_header_bytes)
@@ -170,6 +172,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         if leading and self.leading_since is None:
             self.leading_since = time.time()
             self._dirty = True
+            self.view.reset()  # RFC 27 hello: the first pass reads the whole pending set
             log.warning(
                 "ojs-ml: %s leads the fleet scheduler (hello: %d jobs waiting or assigned)",
                 self.candidate,
@@ -218,7 +221,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         """Take back stale assignments, run the policy core, assign, annotate."""
         self._dirty = False
         now = time.time()
-        records = self.book.records(lean=True)
+        records = self.view.records()
         if not records and not self._any_reservations():
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         live = self.store.live_workers()

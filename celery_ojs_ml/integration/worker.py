@@ -30,7 +30,7 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict, resol
 from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration import child, warm_pool
+from celery_ojs_ml.integration import child, redis_intake, warm_pool
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.advertising import Advertising
 from celery_ojs_ml.integration.delivery import worker_queue_name
@@ -41,6 +41,7 @@ from celery_ojs_ml.integration.gangs import (
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.reservations import ReservationBook
+from celery_ojs_ml.integration.routing import intake_name
 from celery_ojs_ml.integration.scheduler_process import start_candidate
 from celery_ojs_ml.integration.scheduling import send_wake
 from celery_ojs_ml.lru import LRU
@@ -240,6 +241,8 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         self.scheduler: Any = None
         """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
         self._wake_due = False
+        self._caps_doc: dict[str, Any] | None = None
+        self._wake_list: str | None = None
         self.router: Any = None
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
         self.devices_by_id: dict[str, tuple[int, ...]] = {}
@@ -277,6 +280,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             getattr(c, "hub", None),
             busy_delay_s=s.lease_write_delay_ms / 1000,
         )
+        self._wake_list = redis_intake.wake_list(self.app, intake_name(s.store_prefix))
         self.recover_own()
         with self.lock:
             self.version, self._wanted, self._declared, self._bound = -1, {}, set(), {}
@@ -318,6 +322,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
 
     def _wake_now(self) -> None:
         self._wake_due = False
+        if self._wake_list is not None:  # one round trip: advertisement and wake-up
+            self.advertise(wake=(self._wake_list, redis_intake.wake_message(self.hostname)))
+            return
         self.advertise()
         try:
             send_wake(self.app, self.hostname)

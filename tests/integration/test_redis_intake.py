@@ -105,6 +105,49 @@ def test_a_blocked_read_returns_a_message_published_meanwhile_and_an_empty_one_r
     assert [m.headers["id"] for m in intake.pop(1.0)] == ["late"]
 
 
+def test_a_wake_up_pushed_by_a_worker_wakes_a_blocked_reader_as_a_kombu_publish_would(
+    channel: object, redis_client: redis.Redis, redis_url: str
+) -> None:
+    """`wake_message` on the list the reader blocks on is read as a kombu-published wake-up
+    (the worker pushes it with the store's client, in its advertisement's round trip)."""
+    app = Celery("wake", broker=redis_url, set_as_current=False)
+    from celery_ojs_ml import OJSML
+
+    OJSML(app)
+    key = redis_intake.wake_list(app, QUEUE)
+    assert key == QUEUE, "a plain Redis broker that is also the store: the priority-0 list"
+    intake = RedisIntake(channel, QUEUE, batch=8)
+    assert key == intake.keys[0], "the list the reader blocks on"
+    OJSStore(redis_client, prefix="ojs").advertise(
+        "w@host", {}, {}, push=(key, redis_intake.wake_message("w@host"))
+    )
+    woken = intake.pop(1.0)
+    assert [m.headers.get(redis_intake.WAKE_HEADER) for m in woken] == ["w@host"]
+    assert woken[0].body == b""
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("conf", "direct"),
+    [
+        ({}, True),
+        ({"ojs_ml_store_url": "redis://127.0.0.1:1/5"}, False),
+        ({"broker_transport_options": {"global_keyprefix": "p:"}}, False),
+        ({"broker_url": "amqp://guest:guest@127.0.0.1:5672//"}, False),
+    ],
+)
+def test_wake_ups_are_pushed_directly_only_where_the_store_is_the_brokers_redis(
+    redis_url: str, conf: dict[str, object], direct: bool
+) -> None:
+    app = Celery("wake", broker=redis_url, set_as_current=False)
+    app.conf.update(conf)
+    from celery_ojs_ml import OJSML
+
+    OJSML(app)
+    assert (redis_intake.wake_list(app, QUEUE) is not None) is direct
+    app.close()
+
+
 def test_a_message_that_is_not_kombu_json_is_dropped_not_raised(
     channel: object, redis_client: redis.Redis
 ) -> None:
