@@ -128,7 +128,10 @@ class FleetMachine(RuleBasedStateMachine):
     def schedule(self) -> None:
         sim = self.sim
         pending, fleet, now = list(sim.pending.values()), sim.fleet(), sim.now
-        head = in_order(pending)[0].task_id if pending else None
+        unplaced = [q.as_job() for q in sim.pools.values() if q.worker is None and not q.ended]
+        # a reservation waiting to be placed is a job in fleet order too (§8.3)
+        ordered = in_order([*pending, *unplaced])
+        head = ordered[0].task_id if ordered else None
         decision = sim.decide()
         inside = {j.task_id for j in pending if j.req.ext_ml_reservation_id is not None}
         self._reservations_kept(decision, inside)
@@ -225,3 +228,51 @@ FleetMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestTheFleetPolicyKeepsItsInvariants = FleetMachine.TestCase
+
+
+def test_a_reservation_placed_ahead_of_the_first_job_may_take_its_reserved_start() -> None:
+    """Found by the machine with 300 examples: a dynamic reservation (§8.3) created after a
+    spot job got its reserved start is on-demand, so ahead of it in fleet order; placing it
+    on that worker moves the spot job's start. The oracle counts waiting reservations as
+    jobs in order (`schedule`), so this is no broken promise."""
+    one, spot = {"share": 1.0, "queue": "celery", "gpu_affinity": "pack"}, "spot"
+    state = FleetMachine()
+    state.start(depth=1, profiles=["nvidia-a100x8"], budget=None)
+    state.arrive(
+        jobs=[{"gpu_count": 1, "priority_class": spot, "priority": 0, "limit": None, **one}]
+    )
+    state.schedule()
+    state.reserve(gpus=2)
+    state.reserve(gpus=2)
+    state.arrive(
+        jobs=[
+            {"gpu_count": 1, "priority_class": spot, "priority": 0, "limit": None, **one},
+            {"gpu_count": 1, "priority_class": spot, "priority": 2, "limit": 20.0, **one},
+            {"gpu_count": 1, "priority_class": "on-demand", "priority": 0, "limit": None, **one},
+            {"gpu_count": 1, "priority_class": "on-demand", "priority": 0, "limit": 5.0, **one},
+        ]
+    )
+    state.arrive(
+        jobs=[
+            {"gpu_count": 1, "priority_class": spot, "priority": 0, "limit": None, **one},
+            {"gpu_count": 1, "priority_class": spot, "priority": 0, "limit": None, **one},
+            {"gpu_count": 1, "priority_class": spot, "priority": 1, "limit": None, **one},
+            {"gpu_count": 1, "priority_class": "on-demand", "priority": 0, "limit": 20.0, **one},
+        ]
+    )
+    state.arrive(
+        jobs=[
+            {"gpu_count": 1, "priority_class": "on-demand", "priority": 0, "limit": None, **one},
+            {"gpu_count": 4, "priority_class": "on-demand", "priority": 0, "limit": 5.0, **one},
+        ]
+    )
+    state.schedule()
+    state.tick(dt=20.0)
+    state.schedule()
+    state.tick(dt=1.0)
+    state.reserve(gpus=1)
+    state.arrive(jobs=[{"gpu_count": 8, "priority_class": spot, "priority": 0, "limit": 5.0,
+                        **{**one, "share": 0.14}}])  # fmt: skip
+    state.tick(dt=60.0)
+    assert state.sim.pools["r15"].worker == "w1", "the reservation was placed"
+    state.teardown()
