@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import redis
@@ -113,6 +113,9 @@ class PendingBook:
         self._r = store.client
         self._index = store.key("pjobs")
         self._changed = store.key("pdirty")
+        self.on_admit: Callable[[str, dict[str, Any]], None] = lambda task_id, record: None
+        """Told of each record `admit_many` wrote (the leader's `PendingView.put`): the
+        only admissions not marked in `pdirty`, as only the leader admits."""
         self._prune_script: Any = self._r.register_script(_PRUNE)
         self._start_script: Any = self._r.register_script(_START)
         self._assign_script: Any = self._r.register_script(_ASSIGN)
@@ -165,10 +168,15 @@ class PendingBook:
                 fields = {"state": PENDING, "msg": json.dumps(msg), "meta": json.dumps(meta)}
                 pipe.hset(key, mapping={**fields, "admitted_at": now, "seen": json.dumps(seen)})
                 pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
-                pipe.sadd(self._changed, task_id)
             return fresh
 
-        return list(self._transaction(keys, txn))
+        fresh = list(self._transaction(keys, txn))
+        for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
+            if ok:  # the leader's next pass needs no read of what it just wrote
+                self._msgs[(task_id, now)] = msg
+                record = {"state": PENDING, "meta": meta, "admitted_at": now, "msg": msg}
+                self.on_admit(task_id, record)
+        return fresh
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The record of one job (any state), or None."""

@@ -10,10 +10,11 @@ Key decisions:
 - The index (admission order) is read on every pass: it says which jobs wait
   or are assigned; a started or cancelled job leaves it.
 - A record is read again only when it is new to the view or marked changed:
-  every state change of the pending set (`PendingBook`: admit, assign, start
-  aside, give back, take back, hold, prioritize, cancel) adds the job's id to
-  a set in the same transaction, and the view takes that set whole, with the
-  index, in one transaction per pass.
+  every state change of the pending set (`PendingBook`: assign, give back,
+  take back, hold, prioritize, cancel; a start removes the job from the index)
+  adds the job's id to a set in the same transaction, and the view takes that
+  set whole, with the index, in one transaction per pass. Admissions, written
+  only by the leader, are handed to the view as written (`put`).
 - Every `FULL_EVERY_S` the view reads everything again, so a change written
   by a path that does not mark it (an older worker, a hand edit) is seen
   within that time; so does a new leader's first pass.
@@ -41,6 +42,10 @@ class PendingView:
         self._full_at: float | None = None
         self.reads = 0
         """Records read from the store so far (for tests and benchmarks)."""
+
+    def put(self, task_id: str, record: dict[str, Any]) -> None:
+        """A record this leader just wrote (an admission): held without a read."""
+        self._records[task_id] = record
 
     def reset(self) -> None:
         """Forget everything: the next pass reads every record (a new leadership)."""

@@ -295,8 +295,10 @@ class OJSStore:
     def _live(self, kind: str) -> dict[str, Any]:
         index = self.key("index", kind)
         cutoff = round(self._clock() * 1000) - _INDEX_GRACE_MS
-        self._r.zremrangebyscore(index, "-inf", cutoff)
-        raw: list[Any] = self._r.zrange(index, 0, -1)
+        with self._r.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(index, "-inf", cutoff)
+            pipe.zrange(index, 0, -1)
+            raw: list[Any] = pipe.execute()[1]
         names = [_text(n) for n in raw]
         if not names:
             return {}

@@ -102,7 +102,7 @@ class Delivery:
         assert self._producer is not None
         self._producer.publish(
             base64.b64decode(msg["body"]),
-            exchange=name,
+            exchange="",  # the default exchange routes by queue name: no binding lookup
             routing_key=name,
             headers=headers,
             content_type=msg.get("content_type") or "application/json",

@@ -96,6 +96,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self.store = plugin.store
         self.book = PendingBook(self.store)
         self.view = PendingView(self.book)
+        self.book.on_admit = self.view.put
         self.leases = LeaseBook(self.store, s.lease_ttl_s)
         self.candidate = candidate or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         self.admission = Admission(s.parse_options().bounds, s.max_header_bytes)
@@ -209,10 +210,10 @@ class FleetScheduler(Intake, Prefetching, Delivery):
             self._stop.wait(gap)
         self._read(0 if self._dirty else wait_s, _ADMIT_BATCH)
         self._admit()
-        self._settle()
         began = time.monotonic()
         self.schedule_once()
         self._last_pass = time.monotonic()
+        self._settle()  # after the pass: the admitted jobs are in the store already
         # Batch passes in proportion to their cost: a cheap pass (an idle fleet) lets the
         # next job in at once; an expensive one (a long pending set) waits up to the cap.
         self._gap_s = min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
@@ -222,7 +223,8 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self._dirty = False
         now = time.time()
         records = self.view.records()
-        if not records and not self._any_reservations():
+        reserving = self._any_reservations()
+        if not records and not reserving:
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         live = self.store.live_workers()
         self._take_back(records, live, now)
@@ -246,7 +248,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
                 if job is not None:
                     waiting.append(job)
         inflight = self._inflight(records, leases, live) if self.policy.budgets else []
-        reserved = self.reservations.tend(now) if self._any_reservations() else {}
+        reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
         decision = schedule(
             waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight, pools=pools

@@ -83,9 +83,25 @@ def test_a_job_put_back_with_its_redelivered_message_reappears(book: PendingBook
     assert view.records()["j"]["state"] == "pending"
 
 
-def test_the_view_equals_a_full_read_after_any_sequence_of_changes(book: PendingBook) -> None:
+def test_the_leaders_own_admissions_reach_its_view_without_a_read(book: PendingBook) -> None:
+    view = PendingView(book, Clock())
+    book.on_admit = view.put  # as `FleetScheduler` wires it
+    assert view.records() == {}  # a new leader's first pass reads everything
+    for n in range(3):
+        _admit(book, f"j{n}", float(n))
+    assert list(view.records()) == ["j0", "j1", "j2"]
+    assert view.reads == 0
+    _same(view, book)
+
+
+@pytest.mark.parametrize("wired", [True, False])
+def test_the_view_equals_a_full_read_after_any_sequence_of_changes(
+    book: PendingBook, wired: bool
+) -> None:
     rng = random.Random(7)
     view = PendingView(book, Clock())
+    if wired:
+        book.on_admit = view.put
     tokens: dict[str, str] = {}
     for step in range(300):
         task_id = f"j{rng.randrange(12)}"
