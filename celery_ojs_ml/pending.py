@@ -80,6 +80,39 @@ return 1
 """`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua."""
 
 
+_ADMIT = """
+local now, keep, out = ARGV[1], tonumber(ARGV[2]), {}
+for i = 2, #KEYS do
+  local a = 3 + (i - 2) * 5
+  local task_id, msg, meta, msg_id, score = ARGV[a], ARGV[a+1], ARGV[a+2], ARGV[a+3], ARGV[a+4]
+  local state = redis.call('HGET', KEYS[i], 'state')
+  local raw = redis.call('HGET', KEYS[i], 'seen')
+  local seen = {}
+  if raw then seen = cjson.decode(raw) end
+  local ok = (not state) or state == 'started'
+  if ok and msg_id ~= '' then
+    for _, s in ipairs(seen) do
+      if s == msg_id then ok = false break end
+    end
+  end
+  if ok then
+    if msg_id ~= '' then
+      seen[#seen + 1] = msg_id
+      while #seen > keep do table.remove(seen, 1) end
+    end
+    redis.call('DEL', KEYS[i])
+    redis.call('HSET', KEYS[i], 'state', 'pending', 'msg', msg, 'meta', meta, 'admitted_at', now)
+    if #seen > 0 then redis.call('HSET', KEYS[i], 'seen', cjson.encode(seen)) end
+    redis.call('ZADD', KEYS[1], score, task_id)
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+end
+return out
+"""
+"""`admit_many` in one round trip (`_admit_watched` is the same without Lua)."""
+
 _PRUNE = """
 for i, task_id in ipairs(ARGV) do
   local state = redis.call('HGET', KEYS[i + 1], 'state')
@@ -117,6 +150,7 @@ class PendingBook:
         """Told of each record `admit_many` wrote (the leader's `PendingView.put`): the
         only admissions not marked in `pdirty`, as only the leader admits."""
         self._prune_script: Any = self._r.register_script(_PRUNE)
+        self._admit_script: Any = self._r.register_script(_ADMIT)
         self._start_script: Any = self._r.register_script(_START)
         self._assign_script: Any = self._r.register_script(_ASSIGN)
         self._leader = store.key("scheduler", "leader")
@@ -147,7 +181,40 @@ class PendingBook:
             return []
         keys = [self._key(task_id) for task_id, _, _ in jobs]
         now = repr(self.store._clock())
+        fresh = self._admit_lua(jobs, keys, now)
+        if fresh is None:
+            fresh = self._admit_watched(jobs, keys, now)
+        for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
+            if ok:  # the leader's next pass needs no read of what it just wrote
+                self._msgs[(task_id, now)] = msg
+                record = {"state": PENDING, "meta": meta, "admitted_at": now, "msg": msg}
+                self.on_admit(task_id, record)
+        return fresh
 
+    def _admit_lua(
+        self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], keys: list[str], now: str
+    ) -> list[bool] | None:
+        """`admit_many` in one round trip; None where the store runs no Lua."""
+        if self._admit_script is None:
+            return None
+        args: list[Any] = [now, _SEEN]
+        for task_id, meta, msg in jobs:
+            msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
+            score = float(meta.get("submitted_at") or 0.0)
+            msg_id = msg_id if isinstance(msg_id, str) else ""
+            args += [task_id, json.dumps(msg), json.dumps(meta), msg_id, repr(score)]
+        try:
+            return [bool(x) for x in self._admit_script(keys=[self._index, *keys], args=args)]
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except _NO_SCRIPTING as exc:
+            log.info("ojs-ml: no Lua scripting on the store (%s); admits use MULTI/WATCH", exc)
+            self._admit_script = None
+            return None
+
+    def _admit_watched(
+        self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], keys: list[str], now: str
+    ) -> list[bool]:
         def txn(pipe: Any) -> list[bool]:
             with self._r.pipeline(transaction=False) as read:
                 for key in keys:
@@ -170,13 +237,7 @@ class PendingBook:
                 pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
             return fresh
 
-        fresh = list(self._transaction(keys, txn))
-        for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
-            if ok:  # the leader's next pass needs no read of what it just wrote
-                self._msgs[(task_id, now)] = msg
-                record = {"state": PENDING, "meta": meta, "admitted_at": now, "msg": msg}
-                self.on_admit(task_id, record)
-        return fresh
+        return list(self._transaction(keys, txn))
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The record of one job (any state), or None."""

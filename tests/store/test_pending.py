@@ -612,3 +612,30 @@ def test_a_job_given_back_records_when_so_the_leader_can_back_off(book: PendingB
     at = float(record["returned_at"])
     assert FleetScheduler._cooling(record, at + 0.1) is True, "not re-offered at once"
     assert FleetScheduler._cooling(record, at + 0.6) is False, "re-offered after the backoff"
+
+
+@pytest.mark.parametrize("lua", [True, False])
+def test_admission_with_and_without_lua_keeps_the_same_records(store: OJSStore, lua: bool) -> None:
+    """`admit_many` runs one Lua script; stores without Lua use WATCH/MULTI: same records."""
+    book = PendingBook(store)
+    if not lua:
+        book._admit_script = None
+    meta = _meta(7.0)
+    first = {**_msg("j"), "headers": {**_msg("j")["headers"], HEADER_MSG: "m-0"}}
+    assert book.admit_many([("j", meta, first), ("k", meta, _msg("k"))]) == [True, True]
+    assert book.admit_many([("j", meta, first)]) == [False], "waiting: not admitted twice"
+    token = book.assign("j", "w@h", now=8.0)
+    assert token is not None and book.start("j", token, "w@h") == "ok"
+    assert book.admit_many([("j", meta, first)]) == [False], "the same message: seen"
+    for n in range(1, 40):  # re-published copies, each a new message
+        again = {**first, "headers": {**first["headers"], HEADER_MSG: f"m-{n}"}}
+        assert book.admit_many([("j", meta, again)]) == [True]
+        token = book.assign("j", "w@h", now=9.0)
+        assert token is not None and book.start("j", token, "w@h") == "ok"
+    record = book.get("j")
+    assert record is not None and record["seen"] == [f"m-{n}" for n in range(7, 40)][-32:]
+    waiting = book.get("k")
+    assert waiting is not None
+    assert (waiting["state"], waiting["meta"], waiting["msg"]) == (PENDING, meta, _msg("k"))
+    assert "seen" not in waiting or waiting["seen"] == []
+    assert list(book.records()) == ["k"]
