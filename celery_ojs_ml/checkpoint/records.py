@@ -129,6 +129,17 @@ def last_checkpoint(store: OJSStore, job_id: str) -> CheckpointMeta | None:
     return CheckpointMeta.from_json(_bytes(raw)) if raw is not None else None
 
 
+def last_checkpoints(store: OJSStore, job_ids: list[str]) -> dict[str, CheckpointMeta | None]:
+    """`last_checkpoint` of many jobs in one round trip (the leader, every pass)."""
+    if not job_ids:
+        return {}
+    raws: list[Any] = store.client.mget([Keys.of(store, j).last for j in job_ids])
+    return {
+        j: CheckpointMeta.from_json(_bytes(r)) if r is not None else None
+        for j, r in zip(job_ids, raws, strict=True)
+    }
+
+
 def list_checkpoints(store: OJSStore, job_id: str) -> list[CheckpointMeta]:
     """The retained committed checkpoints of `job_id`, oldest first."""
     raw: list[Any] = store.client.lrange(Keys.of(store, job_id).history, 0, -1)

@@ -35,7 +35,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.checkpoint import last_checkpoint
+from celery_ojs_ml.checkpoint.records import last_checkpoints
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.delivery import (
     Delivery,
@@ -332,19 +332,26 @@ class FleetScheduler(Intake, Prefetching, Delivery):
                     self._dirty = True
 
     def _checkpoints(self, leases: list[dict[str, Any]]) -> dict[str, float]:
-        """When each running checkpointing job last committed a checkpoint (OJS ML §9)."""
+        """When each running checkpointing job last committed a checkpoint (OJS ML §9),
+        read in one round trip for all of them."""
+        ids = [
+            str(lease.get("task_id"))
+            for lease in leases
+            if (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled")
+        ]
+        try:
+            metas = last_checkpoints(self.store, ids)
+        except Exception as exc:
+            log.debug("ojs-ml: no checkpoint times: %s", exc)
+            return {}
         found: dict[str, float] = {}
-        for lease in leases:
-            if not (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled"):
-                continue
-            task_id = str(lease.get("task_id"))
-            try:
-                meta = last_checkpoint(self.store, task_id)
-                if meta is not None and meta.created_at:
+        for task_id, meta in metas.items():
+            if meta is not None and meta.created_at:
+                try:
                     stamp = meta.created_at.replace("Z", "+00:00")
                     found[task_id] = datetime.fromisoformat(stamp).timestamp()
-            except Exception as exc:
-                log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
+                except ValueError as exc:
+                    log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
         return found
 
     def _finished(self, task_id: str) -> bool:

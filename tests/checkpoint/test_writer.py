@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointError, last_checkpoint
+from celery_ojs_ml.checkpoint.records import last_checkpoints
 from celery_ojs_ml.checkpoint.storage import Source
 from celery_ojs_ml.store import OJSStore
 from tests.checkpoint.conftest import Backend
@@ -132,3 +133,19 @@ def test_a_job_id_that_would_escape_the_storage_prefix_is_refused(
 ) -> None:
     with pytest.raises(CheckpointError, match="cannot name a checkpoint directory"):
         Checkpointer("../other-job", file_backend.settings(), store)
+
+
+def test_the_last_checkpoints_of_many_jobs_read_at_once_match_one_by_one(
+    file_backend: Backend, store: OJSStore
+) -> None:
+    """The leader reads every running job's last checkpoint in one round trip per pass."""
+    saved = {
+        job: Checkpointer(job, file_backend.settings(), store).save(
+            epoch=n, files={"model.pt": b"w"}
+        )
+        for n, job in enumerate(["job-a", "job-b"])
+    }
+    found = last_checkpoints(store, ["job-a", "never-saved", "job-b"])
+    assert found == {"job-a": saved["job-a"], "never-saved": None, "job-b": saved["job-b"]}
+    assert all(found[j] == last_checkpoint(store, j) for j in found)
+    assert last_checkpoints(store, []) == {}
