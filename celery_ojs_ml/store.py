@@ -40,6 +40,19 @@ Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 
 _INDEX_GRACE_MS = 60_000
+_INDEXED = """
+if ARGV[1] ~= '' then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1]) end
+local out = {}
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local value = redis.call('GET', ARGV[2] .. name)
+  if value then
+    out[#out + 1] = name
+    out[#out + 1] = value
+  end
+end
+return out
+"""
+"""`OJSStore.indexed`: an index's members and their values in one round trip."""
 _WATCH_RETRIES = 32
 _CONNECT_TIMEOUT_S = 5.0
 _SOCKET_TIMEOUT_S = 10.0
@@ -69,6 +82,7 @@ class OJSStore:
         self._r = client
         self._base = f"{prefix}:{{ml}}"
         self._clock = clock
+        self._indexed: Any = client.register_script(_INDEXED)
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "ojs", clock: Clock = time.time) -> OJSStore:
@@ -295,6 +309,9 @@ class OJSStore:
     def _live(self, kind: str) -> dict[str, Any]:
         index = self.key("index", kind)
         cutoff = round(self._clock() * 1000) - _INDEX_GRACE_MS
+        found = self.indexed(index, self.key(kind, ""), cutoff)
+        if found is not None:
+            return {name: json.loads(value) for name, value in found}
         with self._r.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(index, "-inf", cutoff)
             pipe.zrange(index, 0, -1)
@@ -304,3 +321,22 @@ class OJSStore:
             return {}
         values: list[Any] = self._r.mget([self.key(kind, n) for n in names])
         return {n: json.loads(v) for n, v in zip(names, values, strict=True) if v is not None}
+
+    def indexed(
+        self, index: str, prefix: str, cutoff_ms: int | None = None
+    ) -> list[tuple[str, bytes]] | None:
+        """`(member, value of prefix + member)` for each member of the sorted set `index`
+        whose key exists, in index order, after dropping members scored below
+        `cutoff_ms`: one round trip (the leader reads workers and leases every pass).
+        None where the store runs no Lua (then read the index, then the keys)."""
+        if self._indexed is None:
+            return None
+        try:
+            flat: list[Any] = self._indexed(keys=[index], args=[cutoff_ms or "", prefix])
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except (redis.ResponseError, ImportError, NotImplementedError) as exc:
+            log.info("ojs-ml: no Lua scripting on the store (%s); reads use two round trips", exc)
+            self._indexed = None
+            return None
+        return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]

@@ -189,6 +189,9 @@ class LeaseBook:
 
     def all(self) -> list[dict[str, Any]]:
         """Every lease (running, expired or being claimed)."""
+        found = self.store.indexed(self._index, self._key(""))
+        if found is not None:
+            return [json.loads(value) for _, value in found]
         members: list[Any] = self._r.zrange(self._index, 0, -1)
         ids = [i.decode() if isinstance(i, bytes) else str(i) for i in members]
         if not ids:

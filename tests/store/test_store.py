@@ -266,3 +266,21 @@ def test_the_store_works_on_fakeredis_for_the_embedded_demo() -> None:
         assert list(store.pending()) == ["t1"]
         assert store.held() == {"w1": [{"task_id": "t1"}]}
         assert store.ping() is True
+
+
+@pytest.mark.parametrize("lua", [True, False])
+def test_live_workers_and_leases_read_the_same_with_and_without_lua(
+    redis_client: redis.Redis, lua: bool
+) -> None:
+    """`OJSStore.indexed` (one Lua round trip) and its fallback give the same registry."""
+    store = OJSStore(redis_client, prefix="ojs")
+    if not lua:
+        store._indexed = None
+    store.advertise("w1@host", {"capabilities": {}}, {"gpus": 1}, ttl_s=30)
+    store.advertise("w2@host", {"capabilities": {}}, {"gpus": 0}, ttl_s=30)
+    redis_client.delete(store.key("worker", "w2@host"))  # expired key, index entry left
+    live = store.live_workers()
+    assert list(live) == ["w1@host"] and live["w1@host"]["free"] == {"gpus": 1}
+    assert store.indexed(store.key("index", "worker"), store.key("worker", "")) == (
+        [("w1@host", redis_client.get(store.key("worker", "w1@host")))] if lua else None
+    )
