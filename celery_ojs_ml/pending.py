@@ -35,15 +35,32 @@ from typing import Any
 
 import redis
 
+from celery_ojs_ml import pending_scripts as scripts
 from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.pending_admit import (
+    _NO_SCRIPTING,
+    ASSIGNED,
+    CANCELLED,
+    HEADER_MSG,
+    PENDING,
+    STARTED,
+    Admitting,
+    _text,
+)
+from celery_ojs_ml.pending_lock import LeaderLock
 from celery_ojs_ml.store import OJSStore
 
-PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
+__all__ = [
+    "ASSIGNED",
+    "CANCELLED",
+    "HEADER_MSG",
+    "PENDING",
+    "STARTED",
+    "TOMBSTONE_S",
+    "PendingBook",
+]
+
 TOMBSTONE_S = 86400
-HEADER_MSG = "ojs_msg"
-"""A unique id the publisher stamps on each publish of an ML job (`admit_many`)."""
-_SEEN = 32
-"""Message ids kept per job: more than any job's re-publishes within its tombstone's day."""
 _MSG_CACHE = 20_000
 """Decoded messages the leader keeps between passes (`records`)."""
 _LEAN = ("state", "meta", "admitted_at", "worker", "token", "assigned_at", "hold_until",
@@ -53,80 +70,7 @@ _CACHED = b"\x00cached"
 """Stands for a message `_lean` did not read because the cache holds it."""
 _RETRIES = 16
 _JSON_FIELDS = ("msg", "meta", "annotation", "victims", "seen")
-_NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
 log = logging.getLogger(__name__)
-
-_START = """
-local state = redis.call('HGET', KEYS[1], 'state')
-if not state then return 'unknown' end
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 'stale' end
-if state == 'started' then return 'again' end
-if state ~= 'assigned' then return 'stale' end
-redis.call('HSET', KEYS[1], 'state', 'started', 'started_at', ARGV[2])
-redis.call('HDEL', KEYS[1], 'msg')
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('ZREM', KEYS[2], ARGV[4])
-return 'ok'
-"""
-"""`start` in one round trip (the gate's hot path); `_start_watched` is the same without Lua."""
-
-_ASSIGN = """
-if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'assigned', 'worker', ARGV[1], 'token', ARGV[2],
-           'assigned_at', ARGV[3], 'victims', ARGV[4])
-redis.call('SADD', KEYS[2], ARGV[5])
-return 1
-"""
-"""`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua."""
-
-
-_ADMIT = """
-local now, keep, out = ARGV[1], tonumber(ARGV[2]), {}
-for i = 2, #KEYS do
-  local a = 3 + (i - 2) * 5
-  local task_id, msg, meta, msg_id, score = ARGV[a], ARGV[a+1], ARGV[a+2], ARGV[a+3], ARGV[a+4]
-  local state = redis.call('HGET', KEYS[i], 'state')
-  local raw = redis.call('HGET', KEYS[i], 'seen')
-  local seen = {}
-  if raw then seen = cjson.decode(raw) end
-  local ok = (not state) or state == 'started'
-  if ok and msg_id ~= '' then
-    for _, s in ipairs(seen) do
-      if s == msg_id then ok = false break end
-    end
-  end
-  if ok then
-    if msg_id ~= '' then
-      seen[#seen + 1] = msg_id
-      while #seen > keep do table.remove(seen, 1) end
-    end
-    redis.call('DEL', KEYS[i])
-    redis.call('HSET', KEYS[i], 'state', 'pending', 'msg', msg, 'meta', meta, 'admitted_at', now)
-    if #seen > 0 then redis.call('HSET', KEYS[i], 'seen', cjson.encode(seen)) end
-    redis.call('ZADD', KEYS[1], score, task_id)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
-  end
-end
-return out
-"""
-"""`admit_many` in one round trip (`_admit_watched` is the same without Lua)."""
-
-_PRUNE = """
-for i, task_id in ipairs(ARGV) do
-  local state = redis.call('HGET', KEYS[i + 1], 'state')
-  if state ~= 'pending' and state ~= 'assigned' then
-    redis.call('ZREM', KEYS[1], task_id)
-  end
-end
-return 0
-"""
-"""`read`'s index pruning, checked again per job at the moment of removal."""
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
@@ -138,7 +82,7 @@ def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
     return record
 
 
-class PendingBook:
+class PendingBook(Admitting, LeaderLock):
     """Pending jobs, assignments and the scheduler lock of one store."""
 
     def __init__(self, store: OJSStore) -> None:
@@ -149,95 +93,15 @@ class PendingBook:
         self.on_admit: Callable[[str, dict[str, Any]], None] = lambda task_id, record: None
         """Told of each record `admit_many` wrote (the leader's `PendingView.put`): the
         only admissions not marked in `pdirty`, as only the leader admits."""
-        self._prune_script: Any = self._r.register_script(_PRUNE)
-        self._admit_script: Any = self._r.register_script(_ADMIT)
-        self._start_script: Any = self._r.register_script(_START)
-        self._assign_script: Any = self._r.register_script(_ASSIGN)
+        self._prune_script: Any = self._r.register_script(scripts.PRUNE)
+        self._admit_script: Any = self._r.register_script(scripts.ADMIT)
+        self._start_script: Any = self._r.register_script(scripts.START)
+        self._assign_script: Any = self._r.register_script(scripts.ASSIGN)
         self._leader = store.key("scheduler", "leader")
         self._msgs: LRU[tuple[str, str], dict[str, Any]] = LRU(_MSG_CACHE)
 
     def _key(self, task_id: str) -> str:
         return self.store.key("pjob", task_id)
-
-    # -- admission ------------------------------------------------------------------------
-
-    def admit(self, task_id: str, meta: dict[str, Any], msg: dict[str, Any]) -> bool:
-        """Add a job (its message and metadata); False when it is already known.
-
-        A job re-published under the same id (a crash or preemption) is admitted
-        again only once its earlier record was started or is gone.
-        """
-        return self.admit_many([(task_id, meta, msg)])[0]
-
-    def admit_many(self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[bool]:
-        """`admit` for a batch in one transaction (the leader drains its intake in batches).
-
-        A message already admitted once (its `ojs_msg` header is in the record's
-        `seen` list) is not admitted again: an intake message redelivered after the
-        leader that admitted it died (kombu's restore of unacked messages, or the
-        Redis intake's processing list) must not re-run a job that started.
-        """
-        if not jobs:
-            return []
-        keys = [self._key(task_id) for task_id, _, _ in jobs]
-        now = repr(self.store._clock())
-        fresh = self._admit_lua(jobs, keys, now)
-        if fresh is None:
-            fresh = self._admit_watched(jobs, keys, now)
-        for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
-            if ok:  # the leader's next pass needs no read of what it just wrote
-                self._msgs[(task_id, now)] = msg
-                record = {"state": PENDING, "meta": meta, "admitted_at": now, "msg": msg}
-                self.on_admit(task_id, record)
-        return fresh
-
-    def _admit_lua(
-        self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], keys: list[str], now: str
-    ) -> list[bool] | None:
-        """`admit_many` in one round trip; None where the store runs no Lua."""
-        if self._admit_script is None:
-            return None
-        args: list[Any] = [now, _SEEN]
-        for task_id, meta, msg in jobs:
-            msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
-            score = float(meta.get("submitted_at") or 0.0)
-            msg_id = msg_id if isinstance(msg_id, str) else ""
-            args += [task_id, json.dumps(msg), json.dumps(meta), msg_id, repr(score)]
-        try:
-            return [bool(x) for x in self._admit_script(keys=[self._index, *keys], args=args)]
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except _NO_SCRIPTING as exc:
-            log.info("ojs-ml: no Lua scripting on the store (%s); admits use MULTI/WATCH", exc)
-            self._admit_script = None
-            return None
-
-    def _admit_watched(
-        self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], keys: list[str], now: str
-    ) -> list[bool]:
-        def txn(pipe: Any) -> list[bool]:
-            with self._r.pipeline(transaction=False) as read:
-                for key in keys:
-                    read.hmget(key, "state", "seen")
-                rows = read.execute()
-            fresh: list[bool] = []
-            pipe.multi()
-            for (task_id, meta, msg), key, (state, seen_raw) in zip(jobs, keys, rows, strict=True):
-                seen: list[str] = json.loads(_text(seen_raw)) if seen_raw else []
-                msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
-                ok = (state is None or _text(state) == STARTED) and msg_id not in seen
-                fresh.append(ok)
-                if not ok:
-                    continue
-                if isinstance(msg_id, str):
-                    seen = [*seen, msg_id][-_SEEN:]
-                pipe.delete(key)
-                fields = {"state": PENDING, "msg": json.dumps(msg), "meta": json.dumps(meta)}
-                pipe.hset(key, mapping={**fields, "admitted_at": now, "seen": json.dumps(seen)})
-                pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
-            return fresh
-
-        return list(self._transaction(keys, txn))
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The record of one job (any state), or None."""
@@ -525,47 +389,6 @@ class PendingBook:
             pipe.hset(self._key(task_id), "hold_until", json.dumps(until))
             pipe.sadd(self._changed, task_id)
             pipe.execute()
-
-    # -- the scheduler lock ----------------------------------------------------------------
-
-    def lead(self, candidate: str, ttl_s: float) -> bool:
-        """Take or renew the scheduler lock; True while `candidate` holds it."""
-        ms = max(1, round(ttl_s * 1000))
-        mine = self.leader()
-        if mine is not None and mine.get("id") == candidate:
-            value = json.dumps(mine)
-
-            def txn(pipe: Any) -> bool:
-                if _text(pipe.get(self._leader) or b"") != value:
-                    return False
-                pipe.multi()
-                pipe.pexpire(self._leader, ms)
-                return True
-
-            return bool(self._transaction(self._leader, txn))
-        record = json.dumps({"id": candidate, "since": self.store._clock()})
-        return bool(self._r.set(self._leader, record, nx=True, px=ms))
-
-    def resign(self, candidate: str) -> None:
-        """Give the lock up at once (a clean shutdown), if `candidate` holds it."""
-        mine = self.leader()
-        if mine is not None and mine.get("id") == candidate:
-            value = json.dumps(mine)
-
-            def txn(pipe: Any) -> None:
-                if _text(pipe.get(self._leader) or b"") == value:
-                    pipe.multi()
-                    pipe.delete(self._leader)
-
-            self._transaction(self._leader, txn)
-
-    def leader(self) -> dict[str, Any] | None:
-        """`{id, since}` of the current scheduler, or None."""
-        raw = self._r.get(self._leader)
-        if raw is None:
-            return None
-        value = json.loads(_text(raw))
-        return value if isinstance(value, dict) else None
 
     # -- transactions ------------------------------------------------------------------------
 
