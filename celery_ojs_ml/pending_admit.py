@@ -16,14 +16,14 @@ from typing import Any
 import redis
 
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store import NO_SCRIPTING, OJSStore
 
 log = logging.getLogger("celery_ojs_ml.pending")
 HEADER_MSG = "ojs_msg"
 """A unique id the publisher stamps on each publish of an ML job (`admit_many`)."""
 _SEEN = 32
 """Message ids kept per job: more than any job's re-publishes within its tombstone's day."""
-_NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
+_NO_SCRIPTING = NO_SCRIPTING
 PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
 
 

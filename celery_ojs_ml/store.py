@@ -40,6 +40,8 @@ Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 
 _INDEX_GRACE_MS = 60_000
+NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
+"""What calling a Lua script raises on a store that runs none (fakeredis without lupa)."""
 _INDEXED = """
 if ARGV[1] ~= '' then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1]) end
 local out = {}
@@ -335,7 +337,7 @@ class OJSStore:
             flat: list[Any] = self._indexed(keys=[index], args=[cutoff_ms or "", prefix])
         except (redis.ConnectionError, redis.TimeoutError):
             raise
-        except (redis.ResponseError, ImportError, NotImplementedError) as exc:
+        except NO_SCRIPTING as exc:
             log.info("ojs-ml: no Lua scripting on the store (%s); reads use two round trips", exc)
             self._indexed = None
             return None

@@ -41,7 +41,7 @@ from celery_ojs_ml.integration.lease_writer import (
     Record,
     pack_command,
 )
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store import NO_SCRIPTING, OJSStore
 
 __all__ = [
     "BUSY_DELAY_S",
@@ -125,7 +125,7 @@ return table.concat(seen)
 """Extend the leases whose token is ours; one letter per lease: `k` extended, `t` another
 token (taken over), `m` missing, `r` ours but `deadline` is not the last field (Python
 rewrites it)."""
-_NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
+_NO_SCRIPTING = NO_SCRIPTING
 
 
 class LeaseBook:
