@@ -26,7 +26,7 @@ from celery_ojs_ml.integration.reservations import ReservationBook
 from celery_ojs_ml.integration.routing import ml_queue
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.scheduler import Decision, PendingJob
+from celery_ojs_ml.scheduler import Decision, PendingJob, Policy
 from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.spec.resources import gpu_share
 
@@ -53,6 +53,7 @@ class Delivery:
     _producer: Any
     _declared: set[str]
     _prefetched: dict[str, str]
+    policy: Policy
     _budgeted: set[str]
     _holds: dict[str, BudgetHold]
     _rendezvous: dict[str, dict[str, Any]]
@@ -87,7 +88,7 @@ class Delivery:
             self._prefetched[task_id] = worker
         share = job.req if gpu_share(job.req) is not None else None
         self.ledger.assigned(task_id, worker, Demand.of(job.req), now, job.labels, share)
-        if job.queue in self._budgeted:
+        if job.queue in self._budgeted or self.policy.weights:
             gpus = int(job.req.ext_ml_gpu_count or 0)
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
         msg = record["msg"]

@@ -111,7 +111,8 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         )
         self._budgeted = {queue for queue, _ in self.policy.budgets}
         self._holds: dict[str, BudgetHold] = {}
-        """Assignments of budgeted queues not yet seen running (see `budget_inflight`)."""
+        """Assignments not yet seen running, of budgeted queues or, with fair-share
+        weights, of every queue (see `budget_inflight`)."""
         self._escalated: LRU[str, bool] = LRU(100_000)
         """Queue of each job this leader assigned, for budgets until its lease shows it."""
         self.intake = intake_name(s.store_prefix)
@@ -247,7 +248,8 @@ class FleetScheduler(Intake, Prefetching, Delivery):
                 job = self._pending_job(task_id, record)
                 if job is not None:
                     waiting.append(job)
-        inflight = self._inflight(records, leases, live) if self.policy.budgets else []
+        counted = self.policy.budgets or self.policy.weights
+        inflight = self._inflight(records, leases, live) if counted else []
         reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
         decision = schedule(

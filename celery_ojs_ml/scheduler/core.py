@@ -72,7 +72,8 @@ def schedule(
     """Decide every pending job once, in fleet order (see module doc).
 
     `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
-    running jobs; they count against their queue's budget (§10.3). `pools`:
+    running jobs; they count against their queue's budget (§10.3) and its
+    fair share. `pools`:
     the dynamic reservations (§8.3); see `scheduler.pools`.
     """
     jobs, raised = escalate_all(pending, now)
@@ -84,9 +85,10 @@ def schedule(
         fleet = open_queues(hold(fleet, held.values(), now))
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
     ordered = in_order(general)
+    inflight = list(inflight)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
     if policy.weights:  # fair sharing between queues (scheduler.fair)
-        fair = fair_order(ordered, held_gpus(fleet), dict(policy.weights))
+        fair = fair_order(ordered, held_gpus(fleet, inflight), dict(policy.weights))
         ordered = [job for job, _ in fair]
         planner.orders = {job.task_id: key for job, key in fair}
     planner.escalated = raised

@@ -22,12 +22,20 @@ from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, in_order, order_key
 
 
-def held_gpus(fleet: Sequence[WorkerState]) -> dict[str, int]:
-    """GPUs each queue holds now (running and assigned jobs the fleet reports)."""
+def held_gpus(
+    fleet: Sequence[WorkerState], inflight: Iterable[tuple[str, int]] = ()
+) -> dict[str, int]:
+    """GPUs each queue holds now: the running jobs the fleet reports, plus the
+    `inflight` (queue, GPUs) of jobs assigned but not yet reported running.
+
+    Without the latter a pass that runs between an assignment and its lease
+    sees the queue's share too low and hands it a second GPU."""
     out: dict[str, int] = {}
     for w in fleet:
         for r in w.running:
             out[r.queue] = out.get(r.queue, 0) + r.gpus
+    for queue, gpus in inflight:
+        out[queue] = out.get(queue, 0) + gpus
     return out
 
 

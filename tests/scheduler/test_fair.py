@@ -44,6 +44,25 @@ def test_what_a_queue_already_holds_counts_against_its_share() -> None:
     assert _queues(decision, pending) == {"infer": 4}
 
 
+def test_assignments_not_yet_running_count_against_their_queues_share() -> None:
+    """A pass between an assignment and its lease must see the assigned GPUs held.
+
+    8 GPUs, train runs 4, infer has 2 in flight (assigned, no lease yet), weights
+    3:1: infer already holds 2 (share 2.0 against train's 1.33), so train gets 3
+    of the 4 free GPUs. Counting only leases would give infer 2 more."""
+    both = frozenset({"train", "infer"})
+    held = [running(f"r{i}", gpu_count=1, queue="train", limit=60) for i in range(4)]
+    pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(6)]
+    pending += [job(f"i{i}", at=100 + i, gpu_count=1, queue="infer") for i in range(6)]
+    weights = (("train", 3.0), ("infer", 1.0))
+    fleet = [worker("w", queues=both, jobs=held)]
+    policy = Policy(weights=weights)
+    seen = schedule(pending, fleet, NOW, policy, inflight=[("infer", 1), ("infer", 1)])
+    assert _queues(seen, pending) == {"train": 3, "infer": 1}
+    blind = schedule(pending, fleet, NOW, policy)
+    assert _queues(blind, pending) == {"train": 2, "infer": 2}
+
+
 def test_a_queue_asking_for_less_than_its_share_leaves_the_rest_to_the_others() -> None:
     both = frozenset({"train", "infer"})
     pending = [job(f"t{i}", at=i, gpu_count=1, queue="train") for i in range(10)]
