@@ -19,6 +19,12 @@ body end - publish, p50 and p90). Targets: plugin-warm throughput >= 0.9x the
 baseline, and its p50 within 2 ms of the baseline's.
 
     .venv/bin/python bench/inference.py [--burst 120] [--sequential 40] [--json]
+
+`--real --gpus N` runs the same on a machine with N real GPUs (PyTorch, see
+`bench/inference_app.py`): the plugin probes them through NVML, the baseline
+runs N workers; each variant also reports `mismatches`, the requests whose
+process initialised CUDA with other devices than the task was pinned to, or
+whose torch device UUID is not the pinned device's NVML UUID (must be 0).
 """
 
 from __future__ import annotations
@@ -47,14 +53,18 @@ RESULTS_KEY = "ojs-bench:inference"
 VARIANTS = ("plugin-warm", "plugin-prefetch", "plugin-retire", "baseline")
 
 
-def workers_for(variant: str, broker: str, logdir: Path) -> list[subprocess.Popen[bytes]]:
+def workers_for(
+    variant: str, broker: str, logdir: Path, gpus: int = 4, real: bool = False
+) -> list[subprocess.Popen[bytes]]:
     """Start the variant's workers (they log to `logdir`)."""
-    base = {**os.environ, "OJS_BENCH_BROKER": broker, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    base = {**os.environ, "OJS_BENCH_BROKER": broker, "PYTHONPATH": path,
+            "OJS_BENCH_REAL": "1" if real else "0"}  # fmt: skip
     cmd = [sys.executable, "-m", "celery", "-A", "bench.inference_app", "worker", "-P",
            "prefork", "-l", "WARNING", "--without-gossip", "--without-mingle"]  # fmt: skip
     procs = []
     if variant == "baseline":
-        for i in range(4):
+        for i in range(gpus):
             env = {**base, "OJS_BENCH_PLUGIN": "0", "OJS_BENCH_PRELOAD": "1",
                    "CUDA_VISIBLE_DEVICES": str(i)}  # fmt: skip
             procs.append(_start([*cmd, "-c", "1", "-n", f"gpu{i}@bench"], env, logdir / f"{i}.log"))
@@ -63,8 +73,9 @@ def workers_for(variant: str, broker: str, logdir: Path) -> list[subprocess.Pope
         prefetch = "4" if variant == "plugin-prefetch" else "0"
         env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle,
                "OJS_BENCH_PREFETCH": prefetch}  # fmt: skip
-        argv = [*cmd, "-c", "4", "-n", "gpu@bench", "--ojs-ml-capabilities",
-                "profile:nvidia-a100x4"]  # fmt: skip
+        argv = [*cmd, "-c", str(gpus), "-n", "gpu@bench"]
+        if not real:  # simulated GPUs; real ones are probed through NVML
+            argv += ["--ojs-ml-capabilities", f"profile:nvidia-a100x{gpus}"]
         procs.append(_start(argv, env, logdir / f"{variant}.log"))
     return procs
 
@@ -88,7 +99,7 @@ def run_variant(
     mod = importlib.reload(mod)
     client = redis.Redis.from_url(broker)
     client.flushdb()
-    procs = workers_for(variant, broker, logdir)
+    procs = workers_for(variant, broker, logdir, args.gpus, args.real)
     try:
         time.sleep(3.0)  # workers up (the plugin's also elect a scheduler)
         seq = _phase(mod, client, 0, 8, gap_s=None)  # warm-up: every process pays its cold start
@@ -121,7 +132,32 @@ def run_variant(
         "p50_ms": statistics.median(latencies),
         "p90_ms": latencies[int(0.9 * (len(latencies) - 1))],
         "processes": len({r["pid"] for r in burst + lat}),
+        **({"mismatches": mismatches(burst + lat)} if args.real else {}),
     }
+
+
+def mismatches(records: list[dict[str, Any]]) -> int:
+    """Requests whose CUDA was initialised with other devices than the task's pinning,
+    or whose torch UUID is not the NVML UUID of the pinned device (real mode)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        bad = 0
+        for r in records:
+            pinned = r["task_cvd"]
+            if r["init_cvd"] != pinned or r["count"] != "1":
+                bad += 1
+                continue
+            by_uuid = pinned.startswith(("GPU-", "MIG-"))
+            get = pynvml.nvmlDeviceGetHandleByUUID if by_uuid else pynvml.nvmlDeviceGetHandleByIndex
+            handle = get(pinned if by_uuid else int(pinned))
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            bad += uuid.removeprefix("GPU-") != r["uuid"].removeprefix("GPU-")
+        return bad
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def _phase(mod: Any, client: redis.Redis, first: int, n: int, gap_s: float | None) -> int:
@@ -136,11 +172,14 @@ def _wait(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {client.llen(RESULTS_KEY)}/{n} requests finished")
         time.sleep(0.01)
-    out = []
+    out: list[dict[str, Any]] = []
     for raw in client.lrange(RESULTS_KEY, 0, -1):
-        seq, pub, start, end, pid, cold = raw.decode().split()
-        out.append({"seq": int(seq), "published": float(pub), "start": float(start),
-                    "end": float(end), "pid": int(pid), "cold": int(cold)})  # fmt: skip
+        seq, pub, start, end, pid, cold, *facts = raw.decode().split()
+        row: dict[str, Any] = {"seq": int(seq), "published": float(pub), "start": float(start),
+               "end": float(end), "pid": int(pid), "cold": int(cold)}  # fmt: skip
+        if facts:  # real mode (bench/inference_app.py `real_facts`)
+            row.update(zip(("init_cvd", "task_cvd", "uuid", "count"), facts, strict=True))
+        out.append(row)
     return out
 
 
@@ -150,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--real", action="store_true", help="real GPUs through PyTorch")
+    parser.add_argument("--gpus", type=int, default=4, help="GPUs (simulated: 1, 2, 4 or 8)")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ojs-bench-infer-") as tmp:
