@@ -41,7 +41,7 @@ from celery import Celery, signals
 RESULTS_KEY = "ojs-bench:inference"
 CUDA_INIT_S = 0.3
 MODEL_LOAD_S = 1.0
-COMPUTE_S = 0.02
+COMPUTE_S = float(os.environ.get("OJS_BENCH_COMPUTE_S", "0.02"))
 REAL_ITERS = int(os.environ.get("OJS_BENCH_REAL_ITERS", "20"))
 REAL = os.environ.get("OJS_BENCH_REAL") == "1"
 _STATE: dict[str, Any] = {}

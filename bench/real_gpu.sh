@@ -36,11 +36,11 @@ $PY -m celery_ojs_ml probe --json | tee "$OUT/probe.json"
 UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1)
 echo "== probe (CUDA_VISIBLE_DEVICES=$UUID)"
 CUDA_VISIBLE_DEVICES=$UUID $PY -m celery_ojs_ml probe --json > "$OUT/probe_uuid.json"
-$PY -c "import json,sys; d=json.load(open(sys.argv[1])); print(d.get('gpu'), d.get('labels'))" \
+$PY -c "import json,sys; d=json.load(open(sys.argv[1]))['capabilities']; print('gpu:', d.get('gpu'))" \
     "$OUT/probe_uuid.json"
 echo "== probe (CUDA_VISIBLE_DEVICES=-1: no device)"
 CUDA_VISIBLE_DEVICES=-1 $PY -m celery_ojs_ml probe --json > "$OUT/probe_none.json"
-$PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('gpu:', d.get('gpu'))" \
+$PY -c "import json,sys; d=json.load(open(sys.argv[1]))['capabilities']; print('gpu:', d.get('gpu'))" \
     "$OUT/probe_none.json"
 echo "== inference: warm children, prefetch, one worker per GPU"
 time $PY bench/inference.py --real --gpus "$GPUS" --burst 200 --sequential 40 \

@@ -288,6 +288,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self.logical = self._own_queues()
             self.refresh()
         self.advertise()
+        self._open_prefetch(c)
         self._start_scheduler()
         self._timers = [
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
@@ -302,6 +303,18 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self._timers.append(c.timer.call_repeatedly(0.2, maintain))
         self._check_concurrency(getattr(c.pool, "limit", None))
         log.info("ojs-ml: %s", self.banner())
+
+    def _open_prefetch(self, c: Any) -> None:
+        """Room in the consumer's QoS for the jobs the leader prefetches (`ojs_ml_prefetch`).
+
+        A running ML job keeps its message unacked until its lease is written
+        (`_take_lease`; a short job, until it ends), so with every prefetch slot
+        taken by running jobs a prefetched message would only be read once a job
+        ended, too late to start without a gap. `c.qos` is new after every
+        consumer (re)start, hence here."""
+        qos = getattr(c, "qos", None)
+        if self.settings.prefetch and qos is not None:
+            qos.increment_eventually(self.settings.prefetch)
 
     def _start_scheduler(self) -> None:
         """Run a candidate for the fleet scheduler lock (`ojs_ml_scheduler`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -72,4 +73,27 @@ def test_a_prefetched_job_is_taken_back_when_another_worker_can_start_it_first(
     assert runs[nxt.id]["start"] < runs[long.id]["end"], "it waited for the long job"
     logs = "".join((tmp_path / f"{w}.log").read_text() for w in ("a", "b"))
     assert f"took prefetched {nxt.id} back" in logs
+    app.close()
+
+
+def test_a_prefetching_worker_reads_that_many_more_messages_ahead(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A running ML job's message stays unacked until its lease is written (a short job:
+    until it ends), so each running job takes one unit of the consumer's prefetch count.
+    With `-c` as many processes as GPUs, a prefetched message would then only be read
+    once a job ended. `ojs_ml_prefetch = N` raises the count by N (`MLWorker._open_prefetch`)."""
+    app = make_app(redis_url)
+    env = {"OJS_TEST_CONF": json.dumps({"ojs_ml_prefetch": 3})}
+    workers = [
+        WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env=env),
+        WorkerProcess("b", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2),
+    ]  # fmt: skip
+    with running(workers, OJSStore(redis_client, prefix="ojs")):
+        stats: dict[str, Any] = {}
+        deadline = time.monotonic() + 15
+        while len(stats) < 2 and time.monotonic() < deadline:
+            stats = app.control.inspect(timeout=1.0, destination=["a@test", "b@test"]).stats() or {}
+    assert stats["a@test"]["prefetch_count"] == stats["b@test"]["prefetch_count"] + 3, stats
     app.close()
