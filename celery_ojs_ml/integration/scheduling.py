@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -123,6 +124,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self.leading_since: float | None = None
         self._stop = threading.Event()
         self._dirty = True
+        self._full_pass_at = -1e9
         self._declared: set[str] = set()
         self._notes: LRU[str, tuple[str, float | None]] = LRU(100_000)
         self._conn: Any = None
@@ -174,6 +176,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         if leading and self.leading_since is None:
             self.leading_since = time.time()
             self._dirty = True
+            self._full_pass_at = -1e9  # and decides every job in it
             self.view.reset()  # RFC 27 hello: the first pass reads the whole pending set
             log.warning(
                 "ojs-ml: %s leads the fleet scheduler (hello: %d jobs waiting or assigned)",
@@ -252,8 +255,9 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         inflight = self._inflight(records, leases, live) if counted else []
         reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
+        policy = self._pass_policy()
         decision = schedule(
-            waiting, fleet, now, self.policy, memo=self.memo, inflight=inflight, pools=pools
+            waiting, fleet, now, policy, memo=self.memo, inflight=inflight, pools=pools
         )
         if decision.budgets:
             key = self.store.key("scheduler", "budgets")
@@ -278,6 +282,15 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self._annotate(decision)
         self.passes += 1
         return decision
+
+    def _pass_policy(self) -> Policy:
+        """The full policy every `ojs_ml_full_pass_s`; between, only the first
+        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`)."""
+        at = time.monotonic()
+        if at - self._full_pass_at >= self.settings.full_pass_s:
+            self._full_pass_at = at
+            return self.policy
+        return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
         """The core's view of a waiting record, parsed once per admission and priority."""

@@ -88,6 +88,11 @@ class OJSMLSettings(BaseModel):
     """An assignment its worker has not taken within this is taken back and reassigned."""
     scheduler_interval_s: float = Field(default=0.5, gt=0, le=60)
     """Longest gap between two scheduling passes (wake-ups start one at once)."""
+    queue_depth: int = Field(default=100, ge=1, le=1_000_000)
+    """How many waiting jobs, first in fleet (or fair) order, a pass decides between full
+    passes (Slurm's default_queue_depth); the rest wait for the next full pass."""
+    full_pass_s: float = Field(default=1.0, gt=0, le=3600)
+    """How often a pass decides every waiting job (backfill deep in the queue, annotations)."""
     reservation_timeout_s: float = Field(default=3600.0, gt=0)
     """How long `ml.reserve` holds a reservation when neither `timeout_s` nor the
     requirements' `ext_ml_reservation_timeout_s` says (OJS ML §8.3)."""

@@ -12,6 +12,13 @@ fleet as the jobs before it left it, with four outcomes tried in turn:
 4. **estimate** its start for everyone else, as a shadow reservation that
    later estimates respect but backfill does not.
 
+With `Policy.queue_depth` a pass decides only the first that many jobs in
+order (Slurm's default_queue_depth: the live leader's passes between full
+ones). Every job left out is ordered after every job decided, and a decision
+depends only on the jobs before it (the workload estimate is taken over all of
+them), so the jobs decided get exactly the decisions of a full pass; the rest
+wait, unannotated, for a pass that goes deeper.
+
 The pass keeps nothing: the next one recomputes reservations from the fleet
 it is given. `Planner` is the same pass one job at a time, for callers that
 stop early or time each decision (the benchmark).
@@ -84,15 +91,12 @@ def schedule(
     if held:
         fleet = open_queues(hold(fleet, held.values(), now))
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
-    ordered = in_order(general)
     inflight = list(inflight)
+    ordered, orders = _ordered(general, fleet, inflight, policy)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
-    if policy.weights:  # fair sharing between queues (scheduler.fair)
-        fair = fair_order(ordered, held_gpus(fleet, inflight), dict(policy.weights))
-        ordered = [job for job, _ in fair]
-        planner.orders = {job.task_id: key for job, key in fair}
+    planner.orders = orders
     planner.escalated = raised
-    for job in ordered:
+    for job in ordered[: policy.queue_depth]:
         planner.decide(job)
     decision = planner.decision()
     inside = [j for j in jobs if j.req.ext_ml_reservation_id in held and j.gang is None]
@@ -105,6 +109,23 @@ def schedule(
         annotations={**decision.annotations, **filled.annotations, **ganged.annotations},
         denials=(*decision.denials, *filled.denials),
     )
+
+
+def _ordered(
+    jobs: list[PendingJob],
+    fleet: Sequence[WorkerState],
+    inflight: list[tuple[str, int]],
+    policy: Policy,
+) -> tuple[list[PendingJob], dict[str, OrderKey]]:
+    """The waiting jobs in the order a pass decides them, with their fair-share keys:
+    fleet order, or fair order with weights (`scheduler.fair`)."""
+    ordered = in_order(jobs)
+    orders: dict[str, OrderKey] = {}
+    if policy.weights:  # fair sharing between queues (scheduler.fair)
+        fair = fair_order(ordered, held_gpus(fleet, inflight), dict(policy.weights))
+        ordered = [job for job, _ in fair]
+        orders = {job.task_id: key for job, key in fair}
+    return ordered, orders
 
 
 def names_worker(req: MLRequirements) -> bool:

@@ -214,6 +214,9 @@ class Policy:
     """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
     weights: tuple[tuple[str, float], ...] = ()
     """Fair-share weights by queue (`ojs_ml_fair_share`); empty: plain fleet order."""
+    queue_depth: int | None = None
+    """Decide only the first this many waiting jobs in (fair) order; None: all of them.
+    The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""
 
     @classmethod
     def from_settings(cls, settings: object) -> Policy:

@@ -103,6 +103,7 @@ def hold(
 
 def _held_on(w: WorkerState, pools: list[ReservationPool], now: float) -> WorkerState:
     free, extra = w.free, []
+    running = _kept_in(w.running, pools)
     for pool in pools:
         inside = Demand.total(r.demand for r in w.running if r.reservation == pool.rid)
         left = pool.demand.minus(inside)
@@ -123,7 +124,25 @@ def _held_on(w: WorkerState, pools: list[ReservationPool], now: float) -> Worker
         )
         if not pool.held:
             free = less_free(free, left)
-    return replace(w, free=free, running=(*w.running, *extra))
+    return replace(w, free=free, running=(*running, *extra))
+
+
+def _kept_in(running: Sequence[RunningJob], pools: list[ReservationPool]) -> list[RunningJob]:
+    """The running jobs as everyone outside the reservations sees them: a job inside one
+    gives its capacity back to the reservation, not to the fleet, so it is held until
+    the later of its own end and the reservation's (never: no end), and no job outside
+    may preempt it to take that capacity."""
+    ends = {p.rid: p.expires_at for p in pools}
+    out = []
+    for r in running:
+        if r.reservation not in ends:
+            out.append(r)
+            continue
+        pool_end, own = ends[r.reservation], r.time_limit_s
+        end = None if pool_end is None or own is None else max(pool_end, r.started_at + own)
+        limit = None if end is None else end - r.started_at
+        out.append(replace(r, time_limit_s=limit, preemption_policy="never"))
+    return out
 
 
 def less_free(free: FreeCapacity, d: Demand) -> FreeCapacity:

@@ -400,3 +400,30 @@ def test_prioritize_moves_a_waiting_job_ahead_of_jobs_submitted_before_it(
     by_id = {r["task_id"]: r for r in _results(redis_client)}
     assert by_id[last]["start"] < by_id[first]["start"] < by_id[second]["start"]
     app.close()
+
+
+def test_a_job_past_the_queue_depth_still_backfills_on_the_next_full_pass(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """`ojs_ml_queue_depth` 1: passes between full ones decide only the blocked 4-GPU job
+    first in order; the short 1-GPU job behind it fits before that job's reserved start
+    (backfill) and is started by a full pass (`ojs_ml_full_pass_s`), while the job that
+    holds the GPUs still runs."""
+    conf = json.dumps({"ojs_ml_queue_depth": 1, "ojs_ml_full_pass_s": 0.5})
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    worker = _worker("four", redis_url, "nvidia-a100x4", tmp_path, conc=4, OJS_TEST_CONF=conf)
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        holder = record.apply_async(
+            args=["holder", 4.0], headers={"ext_ml_gpu_count": 2, "ext_ml_timeout_seconds": 8}
+        )
+        time.sleep(SLACK_S)  # the holder starts on the idle worker
+        big = record.apply_async(args=["big", 0.1], headers={"ext_ml_gpu_count": 4})
+        small = record.apply_async(
+            args=["small", 0.1], headers={"ext_ml_gpu_count": 1, "ext_ml_timeout_seconds": 1}
+        )
+        _wait(lambda: _result(redis_client, big.id), 30, "the 4-GPU job")
+    runs = {r["task_id"]: r for r in _results(redis_client)}
+    assert runs[small.id]["end"] < runs[holder.id]["end"], "the backfill job waited"
+    assert runs[big.id]["start"] >= runs[holder.id]["end"] - 0.05
+    app.close()

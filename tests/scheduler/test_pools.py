@@ -100,3 +100,20 @@ def test_a_reservation_never_preempts() -> None:
     )
     assert decision.preemptions == ()
     assert decision.assignments == ()
+
+
+def test_capacity_freed_inside_a_reservation_is_not_promised_to_a_job_outside_it() -> None:
+    """A job inside a reservation gives its GPU back to the reservation, not to the fleet
+    (§8.3: nothing else uses that capacity while it is held). A job outside that waits
+    for it may only be promised it when the reservation ends, never at the end of the
+    job inside. Found by `test_state_machine` (a reserved start of 22 s that never came)."""
+    general = [running(f"g{i}", gpu_count=1) for i in range(7)]  # no time limit: never free
+    inside = running("in0", gpu_count=1, reservation_id="r1", started=NOW, limit=20)
+    fleet = [worker("a", jobs=[*general, inside])]
+    forever = ReservationPool("r1", req(gpu_count=1), NOW - 10, "a", None)
+    decision = schedule([job("out", gpu_count=1)], fleet, NOW, Policy(), pools=[forever])
+    assert decision.annotations["out"].t_estimate is None, decision.annotations["out"]
+    ends = ReservationPool("r1", req(gpu_count=1), NOW - 10, "a", NOW + 100)
+    decision = schedule([job("out", gpu_count=1)], fleet, NOW, Policy(), pools=[ends])
+    assert decision.annotations["out"].t_estimate == NOW + 100
+    assert not decision.preemptions, "a job outside preempted one inside a reservation"

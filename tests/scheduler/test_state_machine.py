@@ -153,6 +153,31 @@ class FleetMachine(RuleBasedStateMachine):
             )  # fmt: skip
             assert held <= self.budget, f"train holds {held} GPUs, budget {self.budget}"
 
+    @rule(depth=st.integers(1, 5))
+    def quick_pass_agrees(self, depth: int) -> None:
+        """`Policy.queue_depth` (the live leader's passes between full ones): the first
+        `depth` jobs in order get exactly the full pass's decisions, and no job after
+        them is decided or annotated. Nothing is applied."""
+        sim = self.sim
+        full = sim.decide()
+        policy, sim.policy = sim.policy, replace(sim.policy, queue_depth=depth)
+        try:
+            quick = sim.decide()
+        finally:
+            sim.policy = policy
+        pools = {r for r, q in sim.pools.items()}
+        general = [j for j in sim.pending.values() if j.req.ext_ml_reservation_id not in pools]
+        general += [q.as_job() for q in sim.pools.values() if q.worker is None and not q.ended]
+        ordered = [j.task_id for j in in_order(general)]
+        first, rest = set(ordered[:depth]), set(ordered[depth:])
+        for name in ("assignments", "reservations", "preemptions"):
+            got, want = set(getattr(quick, name)), set(getattr(full, name))
+            assert got <= want, f"{name}: quick pass decided {got - want}"
+            missing = {d for d in want - got if d.task_id in first}
+            assert not missing, f"{name}: quick pass left out {missing}"
+            assert not {d.task_id for d in got} & rest, f"{name}: decided past the depth"
+        assert not set(quick.annotations) & rest, "annotated past the depth"
+
     def _reservations_kept(self, decision: Decision, inside: set[str]) -> None:
         """§8.3: inside jobs go to their reservation's worker only, and fit it."""
         sim = self.sim
