@@ -9,6 +9,7 @@
 # infer.json, retire.json, log.txt.
 #
 #     OUT=/tmp/out bash bench/real_gpu.sh [GPUS]
+#     OUT=/tmp/out INFER_ONLY=1 bash bench/real_gpu.sh [GPUS]   # the inference bench only
 set -u
 OUT=${OUT:-/tmp/ojs-real-gpu}
 GPUS=${1:-1}
@@ -28,6 +29,16 @@ if [ -x .gpu/redis-server ]; then
     export PATH=/tmp/ojs-bin:$PATH
 fi
 export PYTHONUNBUFFERED=1
+infer() {
+    time $PY bench/inference.py --real --gpus "$GPUS" --burst 200 --sequential 40 \
+        --variants "$1" --json > "$OUT/$2.json"
+    cat "$OUT/$2.json"
+}
+if [ -n "${INFER_ONLY:-}" ]; then
+    infer plugin-warm,plugin-prefetch,baseline infer
+    infer baseline,plugin-prefetch,plugin-warm infer2
+    exit 0
+fi
 nvidia-smi --query-gpu=index,name,memory.total,compute_cap,uuid,pci.bus_id,mig.mode.current \
     --format=csv | tee "$OUT/nvidia-smi.txt"
 $PY -c "import torch; print('torch', torch.__version__, torch.cuda.device_count())"
