@@ -130,6 +130,16 @@ class PendingBook(Admitting, LeaderLock):
         found = self.read(ids, lean=lean)
         return {task_id: found[task_id] for task_id in ids if task_id in found}
 
+    @property
+    def index_key(self) -> str:
+        """The sorted set of waiting and assigned jobs, scored by admission."""
+        return self._index
+
+    @property
+    def changed_key(self) -> str:
+        """The set of jobs whose record changed since the leader last took it."""
+        return self._changed
+
     def index_and_changes(self) -> tuple[list[str], set[str]]:
         """The index (admission order) and the ids marked changed since the last call, taken
         in one transaction: a change made after it is marked again for the next call."""

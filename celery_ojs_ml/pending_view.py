@@ -52,9 +52,12 @@ class PendingView:
         self._records = {}
         self._full_at = None
 
-    def records(self) -> dict[str, dict[str, Any]]:
-        """Every waiting or assigned job: `{task_id: record}`, in admission order."""
-        ids, changed = self.book.index_and_changes()
+    def records(self, taken: tuple[list[str], set[str]] | None = None) -> dict[str, dict[str, Any]]:
+        """Every waiting or assigned job: `{task_id: record}`, in admission order.
+
+        `taken`: the index and the change marks, already read with the pass's other
+        reads (`integration.pass_reads`); None: read them here."""
+        ids, changed = taken if taken is not None else self.book.index_and_changes()
         now = self._clock()
         if self._full_at is None or now - self._full_at >= FULL_EVERY_S:
             self._full_at = now

@@ -65,6 +65,11 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
+def pairs(flat: list[Any]) -> list[tuple[str, bytes]]:
+    """The `indexed` script's flat reply as `(member, value)` pairs."""
+    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -308,10 +313,19 @@ class OJSStore:
             pipe.zrem(self.key("index", kind), name)
             pipe.execute()
 
-    def _live(self, kind: str) -> dict[str, Any]:
-        index = self.key("index", kind)
+    def live_read(self, kind: str) -> tuple[str, str, int]:
+        """`(index, key prefix, cutoff in ms)` of the `indexed` read behind `_live(kind)`."""
         cutoff = round(self._clock() * 1000) - _INDEX_GRACE_MS
-        found = self.indexed(index, self.key(kind, ""), cutoff)
+        return self.key("index", kind), self.key(kind, ""), cutoff
+
+    @property
+    def indexed_sha(self) -> str | None:
+        """The SHA1 of the `indexed` script (for a caller's pipeline); None: no Lua."""
+        return None if self._indexed is None else str(self._indexed.sha)
+
+    def _live(self, kind: str) -> dict[str, Any]:
+        index, prefix, cutoff = self.live_read(kind)
+        found = self.indexed(index, prefix, cutoff)
         if found is not None:
             return {name: json.loads(value) for name, value in found}
         with self._r.pipeline(transaction=False) as pipe:
@@ -341,4 +355,4 @@ class OJSStore:
             log.info("ojs-ml: no Lua scripting on the store (%s); reads use two round trips", exc)
             self._indexed = None
             return None
-        return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+        return pairs(flat)

@@ -187,6 +187,10 @@ class LeaseBook:
         raw = self._r.get(self._key(task_id))
         return json.loads(raw) if raw else None
 
+    def index_read(self) -> tuple[str, str]:
+        """`(index, key prefix)` of the `OJSStore.indexed` read behind `all()`."""
+        return self._index, self._key("")
+
     def all(self) -> list[dict[str, Any]]:
         """Every lease (running, expired or being claimed)."""
         found = self.store.indexed(self._index, self._key(""))

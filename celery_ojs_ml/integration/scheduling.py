@@ -52,6 +52,7 @@ from celery_ojs_ml.integration.fleet_view import (
 from celery_ojs_ml.integration.gangs import rendezvous
 from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
 from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.pass_reads import read_pass
 from celery_ojs_ml.integration.prefetching import Prefetching
 from celery_ojs_ml.integration.reservations import ReservationBook, pools_of
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
@@ -226,15 +227,13 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         """Take back stale assignments, run the policy core, assign, annotate."""
         self._dirty = False
         now = time.time()
-        records = self.view.records()
-        reserving = self._any_reservations()
-        if not records and not reserving:
+        first = self._first_reads()
+        if first is None:
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
-        live = self.store.live_workers()
+        records, reserving, live, leases = first
         self._take_back(records, live, now)
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
         used = self.ledger.used(records, beats, allocated_ids(live), now, self.book.started_at)
-        leases = self.leases.all()
         fleet = worker_states(
             live,
             leases,
@@ -282,6 +281,20 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self._annotate(decision)
         self.passes += 1
         return decision
+
+    def _first_reads(self) -> tuple[dict[str, Any], bool, dict[str, Any], list[Any]] | None:
+        """Records, whether reservations exist, live workers and leases, in one round trip
+        where the store runs Lua (`pass_reads`); None when nothing waits or is reserved."""
+        reads = read_pass(self.store, self.book, self.leases, self.reservations.key)
+        if reads is None:  # no Lua on the store: one read after another
+            records, reserving = self.view.records(), self._any_reservations()
+        else:
+            records, reserving = self.view.records((reads.index, reads.changed)), reads.reserving
+        if not records and not reserving:
+            return None
+        if reads is None:
+            return records, reserving, self.store.live_workers(), self.leases.all()
+        return records, reserving, reads.workers, reads.leases
 
     def _pass_policy(self) -> Policy:
         """The full policy every `ojs_ml_full_pass_s`; between, only the first

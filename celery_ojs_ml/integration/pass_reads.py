@@ -1,0 +1,87 @@
+"""The reads every leader pass starts with, in one round trip.
+
+Key decision: the pending set's index and change marks, whether any
+reservation exists, the live workers and the leases are independent reads; each
+was a round trip of its own, one after the other, at the start of every pass.
+Here they go out as one pipeline. The change marks are popped with `SPOP` rather
+than taken with `SMEMBERS` and `DEL` in a transaction: every record is read
+after the pop, so a change made after it is marked again and read next pass,
+and one made before it is read now. Where the store runs no Lua (fakeredis in
+the embedded demo) `read_pass` returns None and the pass reads one by one; where
+the server does not hold the script (its first use, a restart) the workers and
+leases are read again one by one, which loads it for the next pass.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.store import OJSStore, pairs
+
+_POP_ALL = 1 << 30
+"""`SPOP` count: every change mark there is."""
+
+
+@dataclass
+class PassReads:
+    """What a pass starts from (see module doc)."""
+
+    index: list[str]
+    """The pending set's index: waiting and assigned jobs in admission order."""
+    changed: set[str]
+    """Jobs whose record changed since the last pass (`PendingView`)."""
+    reserving: bool
+    """Whether any reservation record exists."""
+    workers: dict[str, dict[str, Any]]
+    """`OJSStore.live_workers()`."""
+    leases: list[dict[str, Any]]
+    """`LeaseBook.all()`."""
+
+
+def read_pass(
+    store: OJSStore, book: PendingBook, leases: LeaseBook, reservations_key: str
+) -> PassReads | None:
+    """The pass's first reads in one pipeline; None where the store runs no Lua."""
+    sha = store.indexed_sha
+    if sha is None:
+        return None
+    index, prefix, cutoff = store.live_read("worker")
+    lease_index, lease_prefix = leases.index_read()
+    with store.client.pipeline(transaction=False) as pipe:
+        pipe.zrange(book.index_key, 0, -1)
+        pipe.spop(book.changed_key, _POP_ALL)
+        pipe.exists(reservations_key)
+        pipe.evalsha(sha, 1, index, cutoff, prefix)
+        pipe.evalsha(sha, 1, lease_index, "", lease_prefix)
+        ids, changed, exists, workers, found = pipe.execute(raise_on_error=False)
+    for reply in (ids, changed, exists):
+        if isinstance(reply, Exception):
+            raise reply
+    return PassReads(
+        [_text(i) for i in ids],
+        {_text(i) for i in changed or ()},
+        bool(exists),
+        _script(workers, store.live_workers, lambda f: {n: json.loads(v) for n, v in pairs(f)}),
+        _script(found, leases.all, lambda f: [json.loads(v) for _, v in pairs(f)]),
+    )
+
+
+def _script(reply: Any, again: Callable[[], Any], parse: Callable[[Any], Any]) -> Any:
+    """A script's reply parsed, or read again by `again` when the server did not hold
+    the script (that read loads it)."""
+    if isinstance(reply, redis.exceptions.NoScriptError):
+        return again()
+    if isinstance(reply, Exception):
+        raise reply
+    return parse(reply)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,82 @@
+"""`integration.pass_reads` on a real Redis: a leader pass's first reads in one round trip
+give what the reads one by one give (the pending view, live workers, leases)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import fakeredis
+import redis
+
+from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.pass_reads import read_pass
+from celery_ojs_ml.integration.reservations import ReservationBook
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.pending_view import PendingView
+from celery_ojs_ml.store import OJSStore
+
+
+def _msg(task_id: str) -> dict[str, Any]:
+    return {"body": f"payload-of-{task_id}", "headers": {"id": task_id, "task": "t"}}
+
+
+def _fleet(store: OJSStore) -> tuple[PendingBook, LeaseBook, str]:
+    book, leases = PendingBook(store), LeaseBook(store, 30.0)
+    for n in range(4):
+        assert book.admit(f"j{n}", {"submitted_at": float(n), "queue": "ml"}, _msg(f"j{n}"))
+    for name in ("a@h", "b@h"):
+        store.advertise(name, {"accelerator": "cpu"}, {"gpus": 0}, ttl_s=30)
+    token = book.assign("j1", "a@h", now=1.0)
+    assert token is not None
+    leases.take({"task_id": "r1", "worker": "a@h", "started_at": 1.0})
+    return book, leases, ReservationBook(store).key
+
+
+def test_one_round_trip_gives_what_the_reads_one_by_one_give(store: OJSStore) -> None:
+    book, leases, resv = _fleet(store)
+    reads = read_pass(store, book, leases, resv)
+    assert reads is not None
+    assert reads.index == ["j0", "j1", "j2", "j3"]
+    assert reads.changed == {"j1"}, "the assignment marked j1 changed"
+    assert reads.reserving is False
+    assert reads.workers == store.live_workers()
+    assert reads.leases == leases.all()
+    assert book.index_and_changes()[1] == set(), "the marks were taken"
+    fresh = PendingView(book).records()
+    seen = PendingView(book).records((reads.index, reads.changed))
+    assert seen == fresh
+
+
+def test_a_change_after_the_pass_read_is_read_at_the_next_pass(store: OJSStore) -> None:
+    book, leases, resv = _fleet(store)
+    view = PendingView(book)
+    first = read_pass(store, book, leases, resv)
+    assert first is not None
+    view.records((first.index, first.changed))
+    assert book.give_back("j1", str(book.read(["j1"])["j1"]["token"]), "did not fit")
+    second = read_pass(store, book, leases, resv)
+    assert second is not None and second.changed == {"j1"}
+    assert view.records((second.index, second.changed))["j1"]["state"] == "pending"
+
+
+def test_after_the_server_lost_the_script_the_pass_still_reads_everything(
+    store: OJSStore, redis_client: redis.Redis
+) -> None:
+    """SCRIPT FLUSH (a restart; also a fresh server): the workers and leases are read
+    again one by one, which loads the script, so the next pass is one round trip again."""
+    book, leases, resv = _fleet(store)
+    redis_client.script_flush()
+    reads = read_pass(store, book, leases, resv)
+    assert reads is not None and reads.index
+    assert set(reads.workers) == {"a@h", "b@h"} and len(reads.leases) == 1
+    assert redis_client.script_exists(str(store.indexed_sha)) == [True]
+    again = read_pass(store, book, leases, resv)
+    assert again is not None and json.dumps(again.leases) == json.dumps(leases.all())
+
+
+def test_a_store_without_lua_reads_one_by_one() -> None:
+    store = OJSStore(fakeredis.FakeRedis(), prefix="t")
+    book, leases, resv = _fleet(store)
+    store.live_workers()  # the first script call finds no Lua and remembers it
+    assert read_pass(store, book, leases, resv) is None
