@@ -3,7 +3,9 @@
 One `Allocator` owns a worker's counted resources and GPU indices. It answers
 `try_alloc` with an `Allocation` (SUCCESS), a `Pending` carrying the pending
 reason (ANNOTATE) or `Denied` (DENY); it also frees, cancels and re-prioritises
-held requests, pumps the hold queue, and picks preemption victims.
+held requests, pumps the hold queue, and picks preemption victims. What runs,
+and what it leaves free, is kept by the `RunningBook` it extends
+(`allocator.capacity`).
 
 Key decision: it is pure. No Celery, no I/O, no threads and an injected clock,
 so the worker's gate (which calls it from the main process only) owns all
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
-from celery_ojs_ml.allocator.choice import choose_whole, share_want, wants_peers
+from celery_ojs_ml.allocator.capacity import ASSESSED_MAX, Assessment, RunningBook, RunningJob
+from celery_ojs_ml.allocator.choice import choose_whole, wants_peers
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
@@ -34,66 +37,16 @@ from celery_ojs_ml.allocator.model import (
     preemptible_of,
     rank,
 )
-from celery_ojs_ml.allocator.policy import (
-    blocker,
-    choose_victims,
-    counted_reasons,
-    is_victim,
-    peer_reasons,
-)
-from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
-from celery_ojs_ml.allocator.sharing import (
-    ShareLedger,
-    device_free,
-    share_device,
-    share_milli,
-    share_reasons,
-    untouched,
-)
+from celery_ojs_ml.allocator.policy import choose_victims, is_victim
+from celery_ojs_ml.allocator.pools import pool_of
+from celery_ojs_ml.allocator.sharing import share_device, share_milli
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict
-from celery_ojs_ml.matching.match import hard_reasons
+from celery_ojs_ml.matching import FreeCapacity, Verdict
 from celery_ojs_ml.spec.classes import band as band_of
-from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
-
-_COUNTED = frozenset(RESOURCE_NAMES.values())
-_ASSESSED_MAX = 1024
-"""Memoised (request, capacity shape) verdicts kept before the memo is reset."""
+from celery_ojs_ml.spec.resources import MLRequirements
 
 
-@dataclass(frozen=True, slots=True)
-class _Job:
-    alloc: Allocation
-    labels: Mapping[str, str]
-    pool: str | None = None
-    """The dynamic reservation (§8.3) it runs inside, if any (`allocator.pools`)."""
-    shape: tuple[Any, ...] = field(init=False)
-    """What `Allocator.capacity_key` knows of this job (computed once, at commit)."""
-
-    def __post_init__(self) -> None:
-        a = self.alloc
-        shape = (
-            a.band,
-            a.preemptible,
-            len(a.devices),
-            a.cpu_cores,
-            a.memory_gb,
-            a.tpu_chips,
-            tuple(sorted(self.labels.items())),
-            self.pool,
-            (a.devices, a.gpu_milli) if a.gpu_milli else None,  # a share: which device, how much
-        )
-        object.__setattr__(self, "shape", shape)  # frozen: set once, here
-
-
-@dataclass(frozen=True, slots=True)
-class _Assessment:
-    verdict: Verdict
-    reasons: tuple[Reason, ...]
-    why: str
-
-
-class Allocator:
+class Allocator(RunningBook):
     """Devices, counted resources and the hold queue of one worker (see module doc)."""
 
     def __init__(
@@ -107,31 +60,20 @@ class Allocator:
         gpu_sharing: bool = False,
         nvlink_peers: Peers | None = None,
     ) -> None:
-        self._caps = caps
-        self._peers = nvlink_peers
-        """NVLink peers per device (`allocator.devices.Peers`); None: not known, any set."""
-        self._most_linked = (
-            largest_peer_set(range(caps.gpu_count), nvlink_peers) if nvlink_peers else 0
+        super().__init__(
+            caps,
+            reserve_cpu=reserve_cpu,
+            reserve_memory_gb=reserve_memory_gb,
+            gpu_sharing=gpu_sharing,
+            nvlink_peers=nvlink_peers,
         )
-        """The largest set of devices that are all peers (fixed for the worker's life)."""
-        self._ledger = ShareLedger(caps.gpu_count) if gpu_sharing else None
-        """Milli-GPU per device (`allocator.sharing`); None: sharing off, whole GPUs only."""
         self._clock = clock
-        self._total = Demand.capacity(caps, reserve_cpu, reserve_memory_gb)
         self._allow_on_demand = allow_on_demand_preemption
-        self._running: dict[Hashable, _Job] = {}
         self._held: dict[Hashable, Pending] = {}
         self._seq: dict[Hashable, int] = {}
         self._counter = itertools.count()
-        self._shape: frozenset[tuple[tuple[Any, ...], int]] | None = None
-        self._shapes: dict[tuple[Any, ...], int] = {}
-        """How many running jobs have each `_Job.shape` (kept as jobs start and end)."""
-        self._free_now: Demand | None = None
-        self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, _Assessment]] = {}
-        self._free_by_shape: dict[Hashable, Demand] = {}
-        """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
-        self._pools: dict[str, Demand] = {}
-        """Dynamic reservations held here: id -> the capacity carved out for it (§8.3)."""
+        self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, Assessment]] = {}
+        """Memo of `_assess_now`: (request id, `capacity_key`) -> the request and its verdict."""
 
     def set_pools(self, pools: Mapping[str, Demand]) -> None:
         """Hold exactly these reservations (`allocator.pools`); others end here."""
@@ -216,7 +158,7 @@ class Allocator:
         if self._ledger is not None:
             self._ledger.release_job(key, job.alloc.devices)
             self._ledger.take_job(key, alloc.devices, 0)
-        self._running[key] = _Job(alloc, job.labels, job.pool)
+        self._running[key] = RunningJob(alloc, job.labels, job.pool)
         return alloc
 
     def cancel(self, key: Hashable) -> Pending | None:
@@ -267,16 +209,6 @@ class Allocator:
         """
         return self._shape_now(), bool(self._held)
 
-    def _shape_now(self) -> frozenset[tuple[tuple[Any, ...], int]]:
-        """The running jobs' part of `capacity_key`: each job shape with its count."""
-        if self._shape is None:
-            self._shape = frozenset(self._shapes.items())
-        return self._shape
-
-    def free_capacity(self) -> FreeCapacity:
-        """What is free now, for matching and the subscription."""
-        return self._capacity_view(())
-
     def preemptible_capacity(self, above_band: str) -> FreeCapacity:
         """Free capacity plus what `above_band` may preempt (same rule as `victims`)."""
         return self._capacity_view(self._candidates(above_band))
@@ -294,10 +226,6 @@ class Allocator:
             return self._assess(req, (), released).verdict is Verdict.FITS
 
         return choose_victims(self._candidates(band), fits)
-
-    def allocations(self) -> list[Allocation]:
-        """Running allocations, oldest first."""
-        return [job.alloc for job in self._running.values()]
 
     def held(self) -> list[Pending]:
         """Held requests in queue order: the order `pump` serves them in."""
@@ -322,14 +250,6 @@ class Allocator:
             snap["nvlink_free"] = largest_peer_set(free, self._peers)
         return snap
 
-    def gpu_free_milli(self, released: Collection[Allocation] = ()) -> tuple[int, ...]:
-        """Milli-GPU left on each device (0 where a whole job holds it), `released` gone."""
-        gone = {a.key for a in released}
-        held = (
-            (j.alloc.devices, j.alloc.gpu_milli) for k, j in self._running.items() if k not in gone
-        )
-        return device_free(self._caps.gpu_count, held)
-
     def _check_new(self, key: Hashable) -> None:
         if key in self._running or key in self._held:
             state = "running" if key in self._running else "held"
@@ -345,60 +265,7 @@ class Allocator:
         allow = self._allow_on_demand
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
 
-    def _free(self, released: Collection[Allocation]) -> Demand:
-        """Free counted resources, `released` gone; a device a share touches is not a free GPU."""
-        free = self._free_counted(released)
-        if self._ledger is None or not any(j.alloc.gpu_milli for j in self._running.values()):
-            return free
-        return replace(free, gpus=min(free.gpus, len(untouched(self.gpu_free_milli(released)))))
-
-    def _free_counted(self, released: Collection[Allocation]) -> Demand:
-        """Free counted resources once `released` are gone (recomputed, so no float drift).
-
-        With nothing released, the answer is a function of the capacity shape
-        (`capacity_key` names each running job's counted demand), so it is
-        remembered per shape: a worker cycling through alike jobs sums only once.
-        """
-        if self._pools:
-            return self._free_in(None, released)
-        if not released:
-            if self._free_now is None:
-                shape = self._shape_now()
-                free = self._free_by_shape.get(shape)
-                if free is None:
-                    if len(self._free_by_shape) >= _ASSESSED_MAX:
-                        self._free_by_shape.clear()
-                    free = self._free_by_shape[shape] = self._total.minus(
-                        Demand.total(j.alloc.demand for j in self._running.values())
-                    )
-                self._free_now = free
-            return self._free_now
-        gone = {a.key for a in released}
-        used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
-        return self._total.minus(used)
-
-    def _free_in(self, pool: str | None, released: Collection[Allocation]) -> Demand:
-        """Free for a job inside `pool` (None: outside every pool), `released` gone."""
-        gone = {a.key for a in released}
-        uses = [(j.pool, j.alloc.demand) for k, j in self._running.items() if k not in gone]
-        if pool is None:
-            return general_free(self._total, uses, self._pools)
-        return pool_free(pool, uses, self._pools)
-
-    def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
-        free, gone = self._free(released), {a.key for a in released}
-        return FreeCapacity(
-            gpus=free.gpus,
-            cpu_cores=free.cpu_cores,
-            memory_gb=free.memory_gb,
-            tpu_chips=free.tpu_chips if self._caps.tpu else None,
-            running_labels=tuple(
-                j.labels for k, j in self._running.items() if j.labels and k not in gone
-            ),
-            reservations=frozenset(self._pools),
-        )
-
-    def _assess_now(self, req: MLRequirements) -> _Assessment:
+    def _assess_now(self, req: MLRequirements) -> Assessment:
         """`_assess(req, ())`, memoised on the request and the capacity shape.
 
         With nothing held ahead the answer depends only on the request, the
@@ -413,37 +280,10 @@ class Allocator:
         if hit is not None and hit[0] is req:
             return hit[1]
         seen = self._assess(req, ())
-        if len(self._assessed) >= _ASSESSED_MAX:
+        if len(self._assessed) >= ASSESSED_MAX:
             self._assessed.clear()
         self._assessed[key] = (req, seen)
         return seen
-
-    def _assess(
-        self, req: MLRequirements, ahead: Sequence[Pending], released: Collection[Allocation] = ()
-    ) -> _Assessment:
-        """FITS / WAIT / NEVER with reasons; counted resources are judged here (reserves)."""
-        pool = pool_of(req.ext_ml_reservation_id, self._pools)
-        free = self._free_in(pool, released) if pool else self._free(released)
-        total = self._pools[pool] if pool else self._total
-        found = hard_reasons(req, self._caps, self._capacity_view(released))
-        reasons = [r for r in found if r.resource not in _COUNTED]
-        want = Demand.of(req)
-        if gpu_share(req) is not None:
-            milli = self.gpu_free_milli(released)
-            reasons += share_reasons(req, self._caps, self._ledger is not None, milli)
-            want = share_want(req, self._caps, want, milli)
-        reasons += counted_reasons(want, total, free)
-        if not reasons and self._peers is not None and wants_peers(req, self._peers):
-            taken = self._taken(released)
-            count, most = self._caps.gpu_count, self._most_linked
-            reasons += peer_reasons(want.gpus, self._peers, count, taken, most)
-        never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
-        if never:
-            return _Assessment(Verdict.NEVER, never, _join(never))
-        if reasons:
-            return _Assessment(Verdict.WAIT, tuple(reasons), _join(reasons))
-        why = blocker(want, free, ahead)
-        return _Assessment(Verdict.WAIT, (), why) if why else _Assessment(Verdict.FITS, (), "")
 
     def _devices(
         self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]
@@ -457,10 +297,6 @@ class Allocator:
         if found is None:
             raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
         return found, 0
-
-    def _taken(self, released: Collection[Allocation]) -> set[int]:
-        gone = {a.key for a in released}
-        return {i for a in self.allocations() if a.key not in gone for i in a.devices}
 
     def _start(self, p: Pending) -> Allocation:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
@@ -493,14 +329,10 @@ class Allocator:
         )
         if self._ledger is not None:  # refuses to oversubscribe a device (invariant 1)
             self._ledger.take_job(key, devices, milli)
-        job = self._running[key] = _Job(alloc, dict(labels), pool)
+        job = self._running[key] = RunningJob(alloc, dict(labels), pool)
         self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
         self._shape = self._free_now = None
         return alloc
-
-
-def _join(reasons: Sequence[Reason]) -> str:
-    return ", ".join(r.message for r in reasons)
 
 
 def _counts(d: Demand) -> dict[str, float]:

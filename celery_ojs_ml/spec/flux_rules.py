@@ -29,6 +29,7 @@ from celery_ojs_ml.spec.flux_wording import (
 
 
 def rule_violations(doc: dict[str, Any]) -> list[Violation]:
+    """Every V1 rule the schema cannot say that `doc` breaks."""
     return [
         *_check_version(doc),
         *_check_resources(doc.get("resources")),
@@ -210,6 +211,7 @@ def _slot_label(doc: Mapping[str, Any]) -> str | None:
 
 
 def is_int(value: Any) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -64,6 +64,7 @@ def _validator() -> Draft7Validator:
 
 
 def schema_violations(doc: dict[str, Any]) -> list[Violation]:
+    """What the packaged RFC 25 JSON Schema finds wrong with `doc`, in teaching words."""
     return [v for error in _validator().iter_errors(doc) for v in _convert(error)]
 
 

@@ -1,4 +1,4 @@
-"""Shared wording of the jobspec V1 checks: RFC 25 section names, fix examples, values.
+"""Shared wording of the jobspec V1 checks: RFC 25 section names, fix examples, value rendering.
 
 Both passes (`flux_rules`, `flux_schema`) cite these sections and examples,
 so a problem reads the same whichever pass finds it.
@@ -19,7 +19,6 @@ TASKS = f"{_RFC} §Tasks"
 ATTRIBUTES = f"{_RFC} §Attributes"
 SCHEMA = f"{_RFC} §Schema"
 
-
 DOCUMENT = "<document>"
 CORE_EXAMPLE = '{"type": "core", "count": 2}'
 SLOT_EXAMPLE = (
@@ -30,10 +29,12 @@ DURATION_FIX = 'give the run time in seconds, e.g. "duration": 3600 (0 means unl
 
 
 def describe(holder: Mapping[str, Any], key: str) -> str:
+    """`is <value>` for `holder[key]`, or `is missing`."""
     return f"is {show(holder[key])}" if key in holder else "is missing"
 
 
 def show(value: Any) -> str:
+    """A value as JSON, cut to 60 characters."""
     try:
         text = json.dumps(value, default=str)
     except (TypeError, ValueError, RecursionError):

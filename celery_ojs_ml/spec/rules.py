@@ -20,76 +20,14 @@ from celery_ojs_ml.spec.catalogue import (
     gpu_model,
     priority_rank,
 )
-from celery_ojs_ml.spec.resources import (
-    PROJECT_KEYS,
-    AffinityRule,
-    AffinitySpec,
-    MLRequirements,
-    gpu_share,
-)
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
+from celery_ojs_ml.spec.rules_labels import label_checks
+from celery_ojs_ml.spec.rules_sections import EXAMPLES as EXAMPLES
+from celery_ojs_ml.spec.rules_sections import fix_for as fix_for
+from celery_ojs_ml.spec.rules_sections import section_of as section_of
 
 if TYPE_CHECKING:
     from celery_ojs_ml.spec.normalize import Bounds
-
-_SECTIONS = {
-    "accelerator": "§3.1",
-    "gpu": "§3.2",
-    "tpu": "§3.3",
-    "memory": "§3.4",
-    "storage": "§3.4",
-    "shm": "§3.4",
-    "cpu": "§3.5",
-    "model_registry": "§5.2",
-    "model": "§4",
-    "max": "§6",
-    "timeout": "§6",
-    "runtime": "§6",
-    "precision": "§6",
-    "distributed": "§6",
-    "node": "§7.1",
-    "affinity": "§7.2",
-    "anti": "§7.3",
-    "priority_class": "§8.1",
-    "preempt": "§8.2",
-    "checkpoint_on": "§8.2",
-    "reservation": "§8.3",
-    "priority_escalation": "§8.4",
-    "escalation": "§8.4",
-    "checkpoint": "§9.1",
-}
-
-EXAMPLES: dict[str, str] = {
-    "ext_ml_accelerator": '"ext_ml_accelerator": "gpu"',
-    "ext_ml_gpu_type": '"ext_ml_gpu_type": "nvidia-a100"',
-    "ext_ml_gpu_count": '"ext_ml_gpu_count": 1',
-    "ext_ml_gpu_memory_gb": '"ext_ml_gpu_memory_gb": 80',
-    "ext_ml_gpu_compute_capability": '"ext_ml_gpu_compute_capability": "8.0"',
-    "ext_ml_gpu_interconnect": '"ext_ml_gpu_interconnect": "nvlink"',
-    "ext_ml_tpu_type": '"ext_ml_tpu_type": "v5e"',
-    "ext_ml_tpu_topology": '"ext_ml_tpu_topology": "2x4"',
-    "ext_ml_tpu_chip_count": '"ext_ml_tpu_chip_count": 8',
-    "ext_ml_memory_gb": '"ext_ml_memory_gb": 64',
-    "ext_ml_storage_gb": '"ext_ml_storage_gb": 500',
-    "ext_ml_shm_size_gb": '"ext_ml_shm_size_gb": 16',
-    "ext_ml_cpu_cores": '"ext_ml_cpu_cores": 8',
-    "ext_ml_model_id": '"ext_ml_model_id": "llama-3.1-70b"',
-    "ext_ml_model_version": '"ext_ml_model_version": "v2.1"',
-    "ext_ml_model_checksum": '"ext_ml_model_checksum": "sha256:<64 hex digits>"',
-    "ext_ml_model_registry_uri": '"ext_ml_model_registry_uri": "hf://org/model@main"',
-    "ext_ml_timeout_seconds": '"ext_ml_timeout_seconds": 3600',
-    "ext_ml_node_selector": '"ext_ml_node_selector": {"region": "us-east-1"}',
-    "ext_ml_affinity": '"ext_ml_affinity": {"required": [{"key": "gpu_type", '
-    '"operator": "In", "values": ["nvidia-a100"]}]}',
-    "ext_ml_anti_affinity": '"ext_ml_anti_affinity": {"required": [{"key": "job_type", '
-    '"operator": "In", "values": ["ml.train.large"]}]}',
-    "ext_ml_priority_class": '"ext_ml_priority_class": "on-demand"',
-    "ext_ml_preemption_grace_period_s": '"ext_ml_preemption_grace_period_s": 30',
-    "ext_ml_escalation_target_class": '"ext_ml_escalation_target_class": "on-demand"',
-    "ext_ml_checkpoint_storage_uri": '"ext_ml_checkpoint_storage_uri": "s3://bucket/checkpoints/"',
-    "ext_ml_checkpoint_interval_s": '"ext_ml_checkpoint_interval_s": 300',
-    "ext_ml_checkpoint_max_count": '"ext_ml_checkpoint_max_count": 3',
-    "ojs_ml_gpu_share": sharing.EXAMPLE + ' (or a fraction, "ojs_ml_gpu_share": 0.25)',
-}
 
 _GPU_DETAIL = ("ext_ml_gpu_type", "ext_ml_gpu_memory_gb", "ext_ml_gpu_compute_capability")
 _CHECKSUM_HEX = {
@@ -103,25 +41,6 @@ _CHECKSUM_HEX = {
     "blake2s": 64,
     "blake3": 64,
 }
-_NUMERIC_OPS = frozenset({"Gt", "Gte", "Lt", "Lte"})
-_VALUELESS_OPS = frozenset({"Exists", "DoesNotExist"})
-
-
-def section_of(attribute: str) -> str:
-    """The spec section that defines an `ext_ml_*` attribute, e.g. `OJS ML §3.2`."""
-    if attribute in PROJECT_KEYS:
-        return sharing.SECTION
-    name = attribute.removeprefix("ext_ml_")
-    best = max((k for k in _SECTIONS if name.startswith(k)), key=len, default="")
-    return f"OJS ML {_SECTIONS[best]}" if best else "OJS ML §3"
-
-
-def fix_for(attribute: str, path: str) -> str:
-    """A fix that shows a correct value for the attribute."""
-    example = EXAMPLES.get(attribute)
-    if example:
-        return f"set {path} to a valid value, e.g. {example}"
-    return f"set {path} to a value of the type and range in the spec table"
 
 
 def _v(attr: str, problem: str, fix: str, path: str | None = None) -> Violation:
@@ -331,107 +250,6 @@ def _escalation(m: MLRequirements, b: Bounds) -> Iterator[Violation]:
         )
 
 
-def _labels(m: MLRequirements, b: Bounds) -> Iterator[Violation]:
-    for key in m.ext_ml_node_selector or {}:
-        if key in b.protected_label_keys:
-            yield _protected("ext_ml_node_selector", key, f"ext_ml_node_selector.{key}")
-    for attr, spec in (
-        ("ext_ml_affinity", m.ext_ml_affinity),
-        ("ext_ml_anti_affinity", m.ext_ml_anti_affinity),
-    ):
-        if spec is not None:
-            yield from _affinity(attr, spec, b)
-
-
-def _protected(attr: str, key: str, path: str) -> Violation:
-    return Violation(
-        path,
-        f"uses the administrative label {key!r}, which jobs may not select on",
-        "OJS ML §15.4",
-        "remove it; administrators set such labels on workers "
-        "(ojs_ml_protected_label_keys lists them)",
-    )
-
-
-def _affinity(attr: str, spec: AffinitySpec, b: Bounds) -> Iterator[Violation]:
-    for kind, rule_list in (("required", spec.required), ("preferred", spec.preferred)):
-        for i, rule in enumerate(rule_list):
-            path = f"{attr}.{kind}[{i}]"
-            if rule.key in b.protected_label_keys:
-                yield _protected(attr, rule.key, f"{path}.key")
-            yield from _rule(attr, path, rule, preferred=kind == "preferred")
-
-
-def _rule(attr: str, path: str, rule: AffinityRule, *, preferred: bool) -> Iterator[Violation]:
-    section = section_of(attr)
-    op, values = rule.operator, rule.values
-    if op in _VALUELESS_OPS and values:
-        yield Violation(
-            f"{path}.values",
-            f"must be empty for operator {op}",
-            section,
-            f'drop "values", e.g. {{"key": "{rule.key}", "operator": "{op}"}}',
-        )
-    elif op not in _VALUELESS_OPS and not values:
-        yield Violation(
-            f"{path}.values",
-            f"is required for operator {op}",
-            section,
-            f'give values, e.g. {{"key": "{rule.key}", "operator": "{op}", '
-            f'"values": ["{_example_value(rule.key, op)}"]}}',
-        )
-    elif op in _NUMERIC_OPS:
-        yield from _numeric_rule(path, rule, section)
-    if rule.weight is not None and not preferred:
-        yield Violation(
-            f"{path}.weight",
-            "only applies to preferred rules",
-            section,
-            "remove the weight or move the rule to preferred",
-        )
-
-
-def _numeric_rule(path: str, rule: AffinityRule, section: str) -> Iterator[Violation]:
-    if len(rule.values) != 1:
-        yield Violation(
-            f"{path}.values",
-            f"must hold exactly one value for {rule.operator}",
-            section,
-            f'e.g. "values": ["{_example_value(rule.key, rule.operator)}"]',
-        )
-        return
-    value = rule.values[0]
-    version = rule.key == "compute_capability"
-    ok = _is_version(value) if version else _is_number(value)
-    if not ok:
-        kind = "a major.minor version" if version else "a number"
-        yield Violation(
-            f"{path}.values[0]",
-            f"is {value!r} but {rule.operator} needs {kind}",
-            section,
-            f'e.g. "values": ["{_example_value(rule.key, rule.operator)}"]',
-        )
-
-
-def _example_value(key: str, op: str) -> str:
-    if key == "compute_capability":
-        return "8.0"
-    return "4" if op in _NUMERIC_OPS else "nvidia-a100"
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return value.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity")
-
-
-def _is_version(value: str) -> bool:
-    major, dot, minor = value.partition(".")
-    return major.isdigit() and (not dot or minor.isdigit())
-
-
 def _num(value: float | int) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
@@ -446,7 +264,7 @@ CHECKS: tuple[Callable[[MLRequirements, Bounds], Iterator[Violation]], ...] = (
     _uris,
     _model_allow_list,
     _escalation,
-    _labels,
+    label_checks,
     sharing.share_checks,
 )
 
