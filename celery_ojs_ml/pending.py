@@ -238,9 +238,13 @@ class PendingBook(Admitting, LeaderLock):
         *,
         now: float,
         victims: Iterable[str] = (),
+        token: str | None = None,
+        push: tuple[str, bytes] | None = None,
     ) -> str | None:
-        """`pending` -> `assigned` to `worker` with a fresh token; None if not pending."""
-        token = uuid.uuid4().hex
+        """`pending` -> `assigned` to `worker` with a fresh token (or `token`); None if not
+        pending. `push` (list key, raw message): LPUSHed in the same call when it assigns
+        (the leader's delivery, `redis_intake.envelope`)."""
+        token = token or uuid.uuid4().hex
         fields = {
             "state": ASSIGNED,
             "worker": worker,
@@ -251,6 +255,8 @@ class PendingBook(Admitting, LeaderLock):
         if self._assign_script is not None:
             args = [worker, token, fields["assigned_at"], fields["victims"], task_id]
             keys = [self._key(task_id), self._changed]
+            if push is not None:
+                keys, args = [*keys, push[0]], [*args, push[1].decode()]
             try:
                 return token if self._assign_script(keys=keys, args=args) else None
             except (redis.ConnectionError, redis.TimeoutError):
@@ -259,6 +265,8 @@ class PendingBook(Admitting, LeaderLock):
                 log.info("ojs-ml: no Lua scripting on the store (%s); assigns use MULTI/WATCH", exc)
                 self._assign_script = None
         ok = self._cas(task_id, lambda r: r.get("state") == PENDING, fields)
+        if ok and push is not None:
+            self._r.lpush(*push)
         return token if ok else None
 
     def start(self, task_id: str, token: str, worker: str) -> str:

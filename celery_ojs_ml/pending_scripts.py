@@ -23,9 +23,11 @@ if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then return 0 end
 redis.call('HSET', KEYS[1], 'state', 'assigned', 'worker', ARGV[1], 'token', ARGV[2],
            'assigned_at', ARGV[3], 'victims', ARGV[4])
 redis.call('SADD', KEYS[2], ARGV[5])
+if KEYS[3] then redis.call('LPUSH', KEYS[3], ARGV[6]) end
 return 1
 """
-"""`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua."""
+"""`assign` in one round trip (the leader's hot path); `_cas` is the same without Lua.
+With a third key, the message is pushed onto that list too (`assign(push=)`)."""
 
 
 ADMIT = """

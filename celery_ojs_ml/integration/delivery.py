@@ -17,9 +17,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import uuid
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.fleet_view import BudgetHold, Ledger
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
 from celery_ojs_ml.integration.reservations import ReservationBook
@@ -51,6 +53,9 @@ class Delivery:
     ledger: Ledger
     reservations: ReservationBook
     _producer: Any
+    _direct: Any
+    """The broker channel whose lists the leader pushes deliveries onto itself
+    (`redis_intake.direct_channel`); None: publish through kombu."""
     _declared: set[str]
     _prefetched: dict[str, str]
     policy: Policy
@@ -81,9 +86,57 @@ class Delivery:
         *,
         prefetch: bool = False,
     ) -> None:
-        token = self.book.assign(task_id, worker, now=now, victims=victims)
-        if token is None:
+        token = uuid.uuid4().hex
+        msg = record["msg"]
+        headers = self._headers(task_id, msg["headers"], token, victims, prefetch)
+        name = worker_queue_name(self.settings.store_prefix, worker)
+        body = base64.b64decode(msg["body"])
+        ctype = msg.get("content_type") or "application/json"
+        cenc = msg.get("content_encoding") or "utf-8"
+        props = msg.get("properties", {})
+        push = None  # with the store on the broker's Redis: pushed by the assignment's Lua call
+        if self._direct is not None:
+            push = redis_intake.envelope(self._direct, name, body, headers, props, ctype, cenc)
+        if not self.book.assign(task_id, worker, now=now, victims=victims, token=token, push=push):
             return
+        self._account(task_id, worker, job, now, prefetch)
+        if push is None:
+            assert self._producer is not None
+            self._producer.publish(
+                body,
+                exchange="",  # the default exchange routes by queue name: no binding lookup
+                routing_key=name,
+                headers=headers,
+                content_type=ctype,
+                content_encoding=cenc,
+                declare=[] if name in self._declared else [ml_queue(name)],
+                **props,
+            )
+            self._declared.add(name)
+        what = f"preempting {', '.join(victims)}" if victims else "to start"
+        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+
+    def _headers(
+        self,
+        task_id: str,
+        original: dict[str, Any],
+        token: str,
+        victims: tuple[str, ...],
+        prefetch: bool,
+    ) -> dict[str, Any]:
+        """The delivered message's headers: the job's own, plus the assignment's."""
+        headers = {**original, HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
+        if prefetch:
+            headers[HEADER_PREFETCH] = True
+        if task_id in self._rendezvous:
+            headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
+        headers.pop("ojs_pending", None)
+        return headers
+
+    def _account(
+        self, task_id: str, worker: str, job: PendingJob, now: float, prefetch: bool
+    ) -> None:
+        """What the leader keeps of an assignment: prefetch, ledger, budget hold."""
         if prefetch:
             self._prefetched[task_id] = worker
         share = job.req if gpu_share(job.req) is not None else None
@@ -91,29 +144,6 @@ class Delivery:
         if job.queue in self._budgeted or self.policy.weights:
             gpus = int(job.req.ext_ml_gpu_count or 0)
             self._holds[task_id] = BudgetHold(job.queue, gpus, worker)
-        msg = record["msg"]
-        headers = {**msg["headers"], HEADER_ASSIGN: token, HEADER_VICTIMS: list(victims)}
-        if prefetch:
-            headers[HEADER_PREFETCH] = True
-        if task_id in self._rendezvous:
-            headers[HEADER_RENDEZVOUS] = self._rendezvous[task_id]
-        headers.pop("ojs_pending", None)
-        name = worker_queue_name(self.settings.store_prefix, worker)
-        queue = ml_queue(name)
-        assert self._producer is not None
-        self._producer.publish(
-            base64.b64decode(msg["body"]),
-            exchange="",  # the default exchange routes by queue name: no binding lookup
-            routing_key=name,
-            headers=headers,
-            content_type=msg.get("content_type") or "application/json",
-            content_encoding=msg.get("content_encoding") or "utf-8",
-            declare=[] if name in self._declared else [queue],
-            **msg.get("properties", {}),
-        )
-        self._declared.add(name)
-        what = f"preempting {', '.join(victims)}" if victims else "to start"
-        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
 
     def _escalations(self, decision: Decision, jobs: dict[str, PendingJob]) -> None:
         """Log and send `ojs-escalated` once for each job a pass first sees escalated (§8.4)."""

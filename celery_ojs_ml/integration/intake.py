@@ -113,10 +113,12 @@ class Intake:
             consumer.qos(prefetch_count=256)
             consumer.consume()
         self._producer = Producer(conn.channel())  # type: ignore[no-untyped-call]
+        self._direct = redis_intake.direct_channel(self.app, self.intake, self._producer.channel)
         self._declared = set()
 
     def _close(self) -> None:
         conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
+        self._direct = None
         self._intake = []  # not acked: the broker redelivers them to the next leader
         reliable, self._reliable = self._reliable, None
         if reliable is not None:

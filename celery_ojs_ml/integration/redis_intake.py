@@ -21,6 +21,14 @@ would notice, the leader reads the broker's lists itself instead:
   advertisement, instead of a kombu publish (an exchange lookup and a publish:
   the largest part of what a finished job cost the worker's main process).
 
+* The leader pushes each assignment's message onto its worker's list itself,
+  in the same Lua call that records the assignment (`envelope`,
+  `PendingBook.assign(push=)`), under the same conditions as the wake-ups,
+  instead of a kombu publish after it: one round trip per assignment instead
+  of two, and no kombu publish path. The message is built by the channel's own
+  `prepare_message` and `_inplace_augment_message`, so it is what kombu would
+  have pushed.
+
 This is the one module that relies on kombu's Redis list layout; checked
 against kombu 5.7.0, and `tests/integration/test_redis_intake.py` fails when
 the layout changes. Brokers other than Redis keep the kombu consumer: AMQP
@@ -81,6 +89,42 @@ def wake_list(app: Any, intake: str) -> str | None:
     ):
         return None
     return intake if store in (None, broker) else None
+
+
+def direct_channel(app: Any, intake: str, channel: Any) -> Any | None:
+    """`channel` when the leader may push its deliveries itself (`envelope`): a kombu
+    Redis channel, under the conditions of `wake_list`; else None (publish via kombu)."""
+    if wake_list(app, intake) is None or not supports(channel):
+        return None
+    if str(getattr(channel, "global_keyprefix", "") or ""):
+        return None
+    return channel
+
+
+def envelope(
+    channel: Any,
+    queue: str,
+    body: bytes,
+    headers: dict[str, Any],
+    properties: dict[str, Any],
+    content_type: str,
+    content_encoding: str,
+) -> tuple[str, bytes]:
+    """`(list key, raw)`: `body` published to the default exchange with routing key
+    `queue`, as kombu's Redis transport LPUSHes it (`Producer.publish` ->
+    `Channel.basic_publish` -> `Channel._put`); checked against kombu 5.7.0."""
+    from kombu.utils.json import dumps
+
+    props = dict(properties)
+    priority = props.pop("priority", 0) or 0
+    props["delivery_mode"] = props.get("delivery_mode") or 2  # kombu's maybe_delivery_mode
+    props["delivery_info"] = dict(props.get("delivery_info") or {})
+    message = channel.prepare_message(
+        body, priority, content_type, content_encoding, headers, props
+    )
+    channel._inplace_augment_message(message, "", queue)
+    key = channel._q_for_pri(queue, channel._get_message_priority(message, reverse=False))
+    return str(key), str(dumps(message)).encode()  # type: ignore[no-untyped-call]
 
 
 def wake_message(worker: str) -> bytes:

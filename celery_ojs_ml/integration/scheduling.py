@@ -132,6 +132,7 @@ class FleetScheduler(Intake, Prefetching, Delivery):
         self._consumer: Any = None
         self._reliable = None
         self._producer: Any = None
+        self._direct: Any = None
         self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
         """Admissions read from the intake, written in one batch after the drain."""

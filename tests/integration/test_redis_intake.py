@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -209,3 +210,34 @@ def test_status_counts_the_jobs_the_intake_holds_waiting_and_taken(
         assert intake_depth(app.ojs_ml) == {"waiting": 1, "taken": 2}
     finally:
         app.close()
+
+
+@pytest.mark.parametrize("priority", [None, 0, 5])
+def test_a_delivery_pushed_by_the_leader_is_what_a_kombu_publish_pushes(
+    channel: object, redis_client: redis.Redis, priority: int | None
+) -> None:
+    """`redis_intake.envelope` (the leader's Lua push of an assignment) against kombu's own
+    publish to the default exchange (checked against kombu 5.7.0): same list, same message
+    but for the delivery tag, which kombu makes unique per publish."""
+    queue = "ojs.ml.w.a@h"
+    props: dict[str, Any] = {"correlation_id": "t1", "reply_to": "r", "delivery_mode": 2}
+    props |= {"delivery_info": {"exchange": "ojs.ml.intake", "routing_key": "ojs.ml.intake"}}
+    if priority is not None:
+        props["priority"] = priority
+    headers = {"id": "t1", "task": "t", "ojs_assign": "tok"}
+    body = b'[["x"], {}, {}]'
+    Producer(channel).publish(  # type: ignore[no-untyped-call]
+        body, exchange="", routing_key=queue, headers=headers,
+        content_type="application/json", content_encoding="utf-8", **dict(props),
+    )  # fmt: skip
+    keys = [k.decode() for k in redis_client.keys(queue + "*")]
+    assert len(keys) == 1
+    kombu_raw = json.loads(redis_client.lpop(keys[0]) or b"")
+    key, raw = redis_intake.envelope(
+        channel, queue, body, headers, props, "application/json", "utf-8"
+    )
+    ours = json.loads(raw)
+    assert key == keys[0]
+    for doc in (kombu_raw, ours):
+        assert doc["properties"].pop("delivery_tag")
+    assert ours == kombu_raw
