@@ -19,7 +19,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery, signals
-from celery.canvas import Signature, chain, group
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
@@ -31,14 +30,12 @@ from celery_ojs_ml.integration.routing import (
     MLRouter,
 )
 from celery_ojs_ml.integration.settings import OJSMLSettings, read_settings
+from celery_ojs_ml.integration.submission import Submitting
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import match, pending_message
 from celery_ojs_ml.pending import HEADER_MSG
-from celery_ojs_ml.spec.documents import parse_document
-from celery_ojs_ml.spec.envelope import Job, ParseOptions
-from celery_ojs_ml.spec.flux import FluxJob
+from celery_ojs_ml.spec.envelope import ParseOptions
 from celery_ojs_ml.spec.resources import MLRequirements
-from celery_ojs_ml.spec.workflow import Workflow
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
@@ -47,7 +44,7 @@ _ROUTED = threading.local()
 """The plugin that routed the message being published on this thread (router -> publish)."""
 
 
-class OJSML:
+class OJSML(Submitting):
     """The plugin object; one per Celery app (`OJSML(app)` is idempotent)."""
 
     def __init__(self, app: Celery) -> None:
@@ -308,72 +305,6 @@ class OJSML:
             send_wake(self.app, "api")
         except Exception as exc:  # the scheduler passes on its own interval too
             log.debug("ojs-ml: could not wake the scheduler: %s", exc)
-
-    # -- submission of OJS documents -------------------------------------------------------
-
-    def signature_for(self, doc: Any) -> Signature:
-        """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
-        parsed = parse_document(doc, self.parse_options)
-        if isinstance(parsed, Workflow):
-            for step in parsed.steps:  # every step's reservation before any step goes out
-                if step.requirements.ext_ml_reservation_id is not None:
-                    self.check_reservation(step.requirements)
-            sigs = [self._job_signature(step) for step in parsed.steps]
-            return chain(*sigs) if parsed.workflow_type == "chain" else group(*sigs)
-        if isinstance(parsed, FluxJob):
-            return self._flux_group(parsed)
-        return self._job_signature(parsed)
-
-    def submit(self, doc: Any) -> Any:
-        """Validate and publish an OJS envelope (either form), a workflow or a Flux jobspec."""
-        return self.signature_for(doc).apply_async()
-
-    def _job_signature(self, job: Job) -> Signature:
-        if not job.type:
-            raise ConfigError('an OJS job needs a type naming the task, e.g. "type": "ml.train"')
-        headers: dict[str, Any] = {**job.canonical()}
-        if job.queue:
-            headers[HEADER_LOGICAL] = job.queue
-        if job.last_checkpoint:
-            headers["ojs_last_checkpoint"] = job.last_checkpoint
-        opts: dict[str, Any] = {"headers": headers}
-        if job.id:
-            opts["task_id"] = job.id
-        return self.app.signature(job.type, args=job.args, kwargs=job.kwargs, options=opts)
-
-    def _flux_group(self, flux: FluxJob) -> Signature:
-        name = str(flux.command[0]) if flux.command else "flux.task"
-        headers: dict[str, Any] = dict(flux.slot_requirements())
-        if flux.queue:
-            headers[HEADER_LOGICAL] = flux.queue
-        args = list(flux.command[1:])
-        if flux.spread and (flux.nodes or 0) > 1 and flux.task_count == flux.nodes:
-            # node>slot over N nodes, one task per node: a gang (all ranks or none)
-            return self._gang_group(self.app.signature(name, args=args), flux.nodes or 0, headers)
-        return group(
-            self.app.signature(name, args=args, options={"headers": dict(headers)})
-            for _ in range(flux.task_count)
-        )
-
-    def gang(self, sig: Signature, size: int) -> Any:
-        """Run `sig` as a gang of `size` ranks: all placed at once on distinct workers, or none.
-
-        Each rank is its own Celery task (one result each) and runs with
-        `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK` and `LOCAL_RANK` set
-        (torch.distributed `env://`). Returns the group's `GroupResult`.
-        """
-        return self._gang_group(sig, size, {}).apply_async()
-
-    def _gang_group(self, sig: Signature, size: int, extra: dict[str, Any]) -> Signature:
-        from celery_ojs_ml.integration.gangs import gang_headers
-
-        ranks = []
-        for headers in gang_headers(size):
-            rank = sig.clone()
-            merged = {**(rank.options.get("headers") or {}), **extra, **headers}
-            rank.set(headers=merged)
-            ranks.append(rank)
-        return group(ranks)
 
 
 def _redis_broker(app: Celery) -> str | None:

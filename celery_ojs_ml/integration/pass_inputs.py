@@ -1,0 +1,167 @@
+"""What a scheduling pass reads and prepares before the policy core runs.
+
+A mixin of `scheduling.FleetScheduler`, split out of it to keep modules small;
+every attribute below is set by `FleetScheduler.__init__`.
+
+Key decisions (see `scheduling`'s module doc):
+* An assignment whose worker left, or that was not started within
+  `ojs_ml_assignment_timeout_s`, is taken back (fenced by its token); one the
+  result backend shows revoked or ended is cancelled instead.
+* A job given or taken back sits out `_RETURN_BACKOFF_S` before it is assigned
+  again, so a job the leader's view and a gate disagree on cannot bounce
+  between them on every pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from celery_ojs_ml.checkpoint.records import last_checkpoints
+from celery_ojs_ml.integration.fleet_view import BudgetHold, budget_inflight, pending_job
+from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.pass_reads import read_pass
+from celery_ojs_ml.integration.reservations import ReservationBook
+from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.pending import ASSIGNED, PendingBook
+from celery_ojs_ml.pending_view import PendingView
+from celery_ojs_ml.scheduler import PendingJob, Policy
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger("celery_ojs_ml.integration.scheduling")
+
+_RETURN_BACKOFF_S = 0.5
+"""How long a job given back by a gate (or taken back) waits before it is assigned again."""
+
+
+class PassInputs:
+    """The first reads, take-backs, waiting jobs and budget use of a pass (see module doc)."""
+
+    app: Any
+    settings: OJSMLSettings
+    store: OJSStore
+    book: PendingBook
+    view: PendingView
+    leases: LeaseBook
+    reservations: ReservationBook
+    policy: Policy
+    _holds: dict[str, BudgetHold]
+    _jobs: LRU[tuple[str, str, str], PendingJob | None]
+    _full_pass_at: float
+    _dirty: bool
+    parse: Callable[[Any], MLRequirements | None]
+
+    def _first_reads(self) -> tuple[dict[str, Any], bool, dict[str, Any], list[Any]] | None:
+        """Records, whether reservations exist, live workers and leases, in one round trip
+        where the store runs Lua (`pass_reads`); None when nothing waits or is reserved."""
+        reads = read_pass(self.store, self.book, self.leases, self.reservations.key)
+        if reads is None:  # no Lua on the store: one read after another
+            records, reserving = self.view.records(), self._any_reservations()
+        else:
+            records, reserving = self.view.records((reads.index, reads.changed)), reads.reserving
+        if not records and not reserving:
+            return None
+        if reads is None:
+            return records, reserving, self.store.live_workers(), self.leases.all()
+        return records, reserving, reads.workers, reads.leases
+
+    def _pass_policy(self) -> Policy:
+        """The full policy every `ojs_ml_full_pass_s`; between, only the first
+        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`)."""
+        at = time.monotonic()
+        if at - self._full_pass_at >= self.settings.full_pass_s:
+            self._full_pass_at = at
+            return self.policy
+        return replace(self.policy, queue_depth=self.settings.queue_depth)
+
+    def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
+        """The core's view of a waiting record, parsed once per admission and priority."""
+        key = (task_id, str(record.get("admitted_at")), str(record.get("priority")))
+        if key in self._jobs:
+            return self._jobs.get(key)
+        try:
+            job = pending_job(task_id, record, self.parse)
+        except Exception as exc:  # one foreign record must not stop every pass
+            log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
+            return None
+        self._jobs[key] = job
+        return job
+
+    def _any_reservations(self) -> bool:
+        return bool(self.store.client.exists(self.reservations.key))
+
+    def _take_back(
+        self, records: dict[str, dict[str, Any]], live: dict[str, Any], now: float
+    ) -> None:
+        timeout = self.settings.assignment_timeout_s
+        for task_id, record in records.items():
+            if record.get("state") != ASSIGNED:
+                continue
+            worker = str(record.get("worker"))
+            due = max(
+                float(record.get("assigned_at") or 0.0) + timeout,
+                float(record.get("hold_until") or 0.0),
+            )
+            gone = worker not in live
+            if (gone or now > due) and self._finished(task_id):
+                self.book.cancel(task_id)  # revoked (or done) while assigned: nothing to run
+                record["state"] = "gone"
+                continue
+            if gone or now > due:
+                why = f"worker {worker} {'left' if gone else 'did not start it in time'}"
+                if self.book.take_back(task_id, str(record.get("token")), why):
+                    log.warning("ojs-ml: took back %s from %s (%s)", task_id, worker, why)
+                    record["state"] = "pending"
+                    self._dirty = True
+
+    def _checkpoints(self, leases: list[dict[str, Any]]) -> dict[str, float]:
+        """When each running checkpointing job last committed a checkpoint (OJS ML §9),
+        read in one round trip for all of them."""
+        ids = [
+            str(lease.get("task_id"))
+            for lease in leases
+            if (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled")
+        ]
+        try:
+            metas = last_checkpoints(self.store, ids)
+        except Exception as exc:
+            log.debug("ojs-ml: no checkpoint times: %s", exc)
+            return {}
+        found: dict[str, float] = {}
+        for task_id, meta in metas.items():
+            if meta is not None and meta.created_at:
+                try:
+                    stamp = meta.created_at.replace("Z", "+00:00")
+                    found[task_id] = datetime.fromisoformat(stamp).timestamp()
+                except ValueError as exc:
+                    log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
+        return found
+
+    def _finished(self, task_id: str) -> bool:
+        """Whether the result backend says the job was revoked or already ended."""
+        if type(self.app.backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            return self.app.AsyncResult(task_id).state in ("REVOKED", "SUCCESS", "FAILURE")
+        except Exception:
+            return False
+
+    @staticmethod
+    def _cooling(record: dict[str, Any], now: float) -> bool:
+        """Just given or taken back: sit out `_RETURN_BACKOFF_S`, so a job the leader's view
+        and a gate disagree on cannot bounce between them on every pass."""
+        return now - float(record.get("returned_at") or 0.0) < _RETURN_BACKOFF_S
+
+    def _inflight(
+        self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any
+    ) -> list[tuple[str, int]]:
+        """Budget use of assignments not yet running, by task id (§10.3)."""
+        gone = [t for t in self._holds if t not in records]
+        started = self.book.started_at(gone) if gone else {}
+        return budget_inflight(self._holds, records, leases, live, started)

@@ -1,0 +1,139 @@
+"""Process-wide worker setup: capabilities, the pool's kind and the pool children's hooks.
+
+Split out of `worker` to keep modules small; `worker.install` connects the hooks.
+
+Key decision: CUDA binds `CUDA_VISIBLE_DEVICES` when a process first initialises
+it, so on a GPU prefork worker no child reuses CUDA bound to other devices: it is
+retired after a task that loaded the driver, runs one task, or (warm mode) is bound
+to its device set (`ojs_ml_recycle_gpu_children`, `configure_child_recycling`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
+from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
+from celery_ojs_ml.capabilities.profiles import is_probed
+from celery_ojs_ml.integration import child, warm_pool
+from celery_ojs_ml.lru import LRU
+
+log = logging.getLogger("celery_ojs_ml.integration.worker")
+_CAPS_CACHE: LRU[str | None, Capabilities] = LRU(16)
+
+
+def capabilities_for(value: str | None) -> Capabilities:
+    """Resolve `--ojs-ml-capabilities` once per process (the probe is not free)."""
+    caps = _CAPS_CACHE.get(value)
+    if caps is None:
+        caps = _CAPS_CACHE[value] = resolve_capabilities(value)
+    return caps
+
+
+def nvlink_peers_for(value: str | None, caps: Capabilities) -> list[frozenset[int]] | None:
+    """The NVLink peers of each allocation index, for a probed worker whose GPUs have NVLink
+    (`probe.advertised_peers`); None for declared capabilities (any set is linked)."""
+    if not is_probed(value) or caps.gpu is None or caps.gpu.interconnect != "nvlink":
+        return None
+    return advertised_peers()
+
+
+def is_prefork(pool: Any) -> bool:
+    """Whether a pool (class, instance or name) is billiard's prefork pool."""
+    if pool is None:
+        return False
+    if isinstance(pool, str):
+        return pool in ("prefork", "processes")
+    return "prefork" in (getattr(pool, "__module__", "") or "")
+
+
+def configure_child_recycling(
+    sender: Any = None,
+    conf: Any = None,
+    options: Any = None,
+    instance: Any = None,
+    **_: Any,
+) -> None:
+    """`celeryd_init`: make sure no pool child reuses CUDA bound to other devices.
+
+    CUDA binds `CUDA_VISIBLE_DEVICES` when a process first initialises it.
+    `ojs_ml_recycle_gpu_children`:
+    * "cuda" (default): a child is retired after any task that left the CUDA
+      driver loaded in it (`child.install_cuda_retirement`); others are reused.
+    * "always": `worker_max_tasks_per_child=1`, one task per child.
+    * "never": children are reused; only safe when tasks never initialise CUDA.
+    """
+    app = getattr(instance, "app", None) or getattr(sender, "app", None)
+    options = options or {}
+    plugin = getattr(app, "ojs_ml", None) if app is not None else None
+    mode = plugin.settings.recycle_gpu_children if plugin is not None else "cuda"
+    caps = capabilities_for(options.get("ojs_ml_capabilities"))
+    pool = options.get("pool_cls") or (conf.worker_pool if conf is not None else None)
+    child.RECYCLE["mode"] = "never"
+    value = options.get("ojs_ml_capabilities")
+    child.VISIBLE["tokens"] = advertised_tokens() if is_probed(value) else visible_tokens()
+    if child.VISIBLE["tokens"] is not None and len(child.VISIBLE["tokens"]) < caps.gpu_count:
+        log.error(
+            "ojs-ml: the worker has %d GPUs but CUDA_VISIBLE_DEVICES names %d; tasks on the "
+            "others get no device. Start it with as many visible devices as it advertises",
+            caps.gpu_count,
+            len(child.VISIBLE["tokens"] or []),
+        )
+    if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
+        return
+    if mode == "warm" and warm_pool.missing_internals():
+        log.warning(
+            "ojs-ml: warm children need celery internals that changed (%s); retiring CUDA "
+            "children instead",
+            warm_pool.missing_internals(),
+        )
+        mode = "cuda"
+    if mode == "cuda" and not child.billiard_can_retire():
+        log.warning("ojs-ml: this billiard cannot retire CUDA children; one task per child")
+        mode = "always"
+    child.RECYCLE["mode"] = mode
+    if mode == "warm":
+        warm_pool.make_table()  # before the pool forks: children inherit it
+        return
+    if mode == "cuda":
+        if not (options.get("max_memory_per_child") or conf.worker_max_memory_per_child):
+            conf.worker_max_memory_per_child = child.NO_LIMIT_KB
+        return
+    given = options.get("max_tasks_per_child") or conf.worker_max_tasks_per_child
+    if given not in (None, 1):
+        log.warning(
+            "ojs-ml: worker_max_tasks_per_child=%s on a GPU worker; forcing 1 because "
+            'ojs_ml_recycle_gpu_children="always"',
+            given,
+        )
+    conf.worker_max_tasks_per_child = 1
+
+
+def _child_init(**_: Any) -> None:
+    """`worker_process_init`: the preemption flag on SIGUSR2, and CUDA retirement."""
+    from celery_ojs_ml.checkpoint import install_child_handler
+
+    install_child_handler()
+    if child.RECYCLE["mode"] == "cuda":
+        child.install_cuda_retirement()
+    if child.RECYCLE["mode"] == "warm":
+        warm_pool.reset_slot()
+        _WATCH["cuda"] = child.DriverWatch()
+
+
+def _child_prerun(**_: Any) -> None:
+    from celery_ojs_ml.checkpoint import reset_flag
+
+    reset_flag()
+
+
+_WATCH: dict[str, Any] = {}
+
+
+def _child_postrun(task: Any = None, **_: Any) -> None:
+    """Warm mode: a child records the device set its CUDA came up with (`warm_pool`)."""
+    watch = _WATCH.get("cuda")
+    if watch is not None:
+        devices = getattr(getattr(task, "request", None), "ojs_devices", None)
+        warm_pool.bind_after_task(list(devices) if devices else None, watch)
