@@ -54,7 +54,7 @@ from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.pending_view import PendingView
-from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
+from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
 
 log = logging.getLogger(__name__)
@@ -226,24 +226,8 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         records, reserving, live, leases = first
         self._take_back(records, live, now)
-        beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
-        used = self.ledger.used(records, beats, allocated_ids(live), now, self.book.started_at)
-        fleet = worker_states(
-            live,
-            leases,
-            used,
-            self.parse_running,
-            self.caps,
-            self._checkpoints(leases),
-            self.ledger.labels(),
-            self.ledger.shares(),
-        )
-        waiting: list[PendingJob] = []
-        for task_id, record in records.items():
-            if record.get("state") == "pending" and not self._cooling(record, now):
-                job = self._pending_job(task_id, record)
-                if job is not None:
-                    waiting.append(job)
+        fleet = self._fleet(records, live, leases, now)
+        waiting = self._waiting(records, now)
         counted = self.policy.budgets or self.policy.weights
         inflight = self._inflight(records, leases, live) if counted else []
         reserved = self.reservations.tend(now) if reserving else {}
@@ -258,7 +242,48 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
-        with self._batch():  # every delivery of the pass in one broker round trip
+        self._carry_out(decision, fleet, records, jobs, now)
+        self._annotate(decision)
+        self.passes += 1
+        return decision
+
+    def _fleet(
+        self, records: dict[str, Any], live: dict[str, Any], leases: list[Any], now: float
+    ) -> list[WorkerState]:
+        """The core's view of the live workers: reports, leases, assignments in flight."""
+        beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
+        used = self.ledger.used(records, beats, allocated_ids(live), now, self.book.started_at)
+        return worker_states(
+            live,
+            leases,
+            used,
+            self.parse_running,
+            self.caps,
+            self._checkpoints(leases),
+            self.ledger.labels(),
+            self.ledger.shares(),
+        )
+
+    def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
+        """The pending records the pass decides (not those sitting out a give-back)."""
+        waiting: list[PendingJob] = []
+        for task_id, record in records.items():
+            if record.get("state") == "pending" and not self._cooling(record, now):
+                job = self._pending_job(task_id, record)
+                if job is not None:
+                    waiting.append(job)
+        return waiting
+
+    def _carry_out(
+        self,
+        decision: Decision,
+        fleet: list[WorkerState],
+        records: dict[str, Any],
+        jobs: dict[str, PendingJob],
+        now: float,
+    ) -> None:
+        """Deliver the pass's assignments and preemptions, deny, place, prefetch."""
+        with self._batch():  # every kombu publish of the pass in one broker round trip
             for a in decision.assignments:
                 if a.task_id.startswith(PREFIX):
                     self._place(a.task_id[len(PREFIX) :], a.worker)
@@ -272,9 +297,6 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
             if self.settings.prefetch:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, records, jobs, now)
-        self._annotate(decision)
-        self.passes += 1
-        return decision
 
     def _place(self, rid: str, worker: str) -> None:
         """A reservation's placement: recorded (not published); the worker's gate holds it."""

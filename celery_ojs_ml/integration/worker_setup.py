@@ -71,7 +71,21 @@ def configure_child_recycling(
     caps = capabilities_for(options.get("ojs_ml_capabilities"))
     pool = options.get("pool_cls") or (conf.worker_pool if conf is not None else None)
     child.RECYCLE["mode"] = "never"
-    value = options.get("ojs_ml_capabilities")
+    _read_visible(options.get("ojs_ml_capabilities"), caps)
+    if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
+        return
+    mode = child.RECYCLE["mode"] = _usable_mode(mode)
+    if mode == "warm":
+        warm_pool.make_table()  # before the pool forks: children inherit it
+    elif mode == "cuda":
+        if not (options.get("max_memory_per_child") or conf.worker_max_memory_per_child):
+            conf.worker_max_memory_per_child = child.NO_LIMIT_KB
+    else:
+        _one_task_per_child(options, conf)
+
+
+def _read_visible(value: Any, caps: Capabilities) -> None:
+    """The devices the worker itself was given, before the pool forks (`child.VISIBLE`)."""
     child.VISIBLE["tokens"] = advertised_tokens() if is_probed(value) else visible_tokens()
     if child.VISIBLE["tokens"] is not None and len(child.VISIBLE["tokens"]) < caps.gpu_count:
         log.error(
@@ -80,8 +94,10 @@ def configure_child_recycling(
             caps.gpu_count,
             len(child.VISIBLE["tokens"] or []),
         )
-    if mode == "never" or not (caps.gpu_count and is_prefork(pool) and conf is not None):
-        return
+
+
+def _usable_mode(mode: str) -> str:
+    """`mode`, or the next safer one where the Celery/billiard internals it needs changed."""
     if mode == "warm" and warm_pool.missing_internals():
         log.warning(
             "ojs-ml: warm children need celery internals that changed (%s); retiring CUDA "
@@ -92,14 +108,10 @@ def configure_child_recycling(
     if mode == "cuda" and not child.billiard_can_retire():
         log.warning("ojs-ml: this billiard cannot retire CUDA children; one task per child")
         mode = "always"
-    child.RECYCLE["mode"] = mode
-    if mode == "warm":
-        warm_pool.make_table()  # before the pool forks: children inherit it
-        return
-    if mode == "cuda":
-        if not (options.get("max_memory_per_child") or conf.worker_max_memory_per_child):
-            conf.worker_max_memory_per_child = child.NO_LIMIT_KB
-        return
+    return mode
+
+
+def _one_task_per_child(options: Any, conf: Any) -> None:
     given = options.get("max_tasks_per_child") or conf.worker_max_tasks_per_child
     if given not in (None, 1):
         log.warning(
