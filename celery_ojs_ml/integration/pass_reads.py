@@ -23,7 +23,7 @@ import redis
 
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore, pairs
+from celery_ojs_ml.store import OJSStore, _text, pairs
 
 _POP_ALL = 1 << 30
 """`SPOP` count: every change mark there is."""
@@ -81,7 +81,3 @@ def _script(reply: Any, again: Callable[[], Any], parse: Callable[[Any], Any]) -
     if isinstance(reply, Exception):
         raise reply
     return parse(reply)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -94,11 +94,7 @@ def wake_list(app: Any, intake: str) -> str | None:
 def direct_channel(app: Any, intake: str, channel: Any) -> Any | None:
     """`channel` when the leader may push its deliveries itself (`envelope`): a kombu
     Redis channel, under the conditions of `wake_list`; else None (publish via kombu)."""
-    if wake_list(app, intake) is None or not supports(channel):
-        return None
-    if str(getattr(channel, "global_keyprefix", "") or ""):
-        return None
-    return channel
+    return channel if wake_list(app, intake) is not None and supports(channel) else None
 
 
 def envelope(
