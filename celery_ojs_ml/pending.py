@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -138,6 +138,30 @@ class PendingBook(Admitting, LeaderLock, Reading):
         if ok and push is not None:
             self._r.lpush(*push)
         return token if ok else None
+
+    def assign_many(
+        self, items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]], now: float
+    ) -> list[str | None]:
+        """`assign` of (task id, worker, token, push) each, in one pipeline where the store
+        runs Lua; each item's token, or None where the job was not pending any more."""
+        if self._assign_script is None or len(items) < 2:
+            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
+        stamp = repr(now)
+        try:
+            with self._r.pipeline(transaction=False) as pipe:
+                for task_id, worker, token, push in items:
+                    keys = [self._key(task_id), self._changed]
+                    args = [worker, token, stamp, "[]", task_id]
+                    if push is not None:
+                        keys, args = [*keys, push[0]], [*args, push[1].decode()]
+                    self._assign_script(keys=keys, args=args, client=pipe)
+                done = pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except _NO_SCRIPTING as exc:  # `assign` finds out again and falls back for good
+            log.info("ojs-ml: pipelined assignments failed (%s); one at a time", exc)
+            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
+        return [token if ok else None for (_, _, token, _), ok in zip(items, done, strict=True)]
 
     def start(self, task_id: str, token: str, worker: str) -> str:
         """The gate starts the job: "ok", "stale" (another assignment is current), "again"

@@ -18,6 +18,7 @@ import base64
 import contextlib
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
@@ -44,6 +45,25 @@ def worker_queue_name(prefix: str, worker: str) -> str:
     return f"{prefix}.ml.w.{worker}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """One assignment's delivery, built before the assignment is recorded."""
+
+    task_id: str
+    worker: str
+    token: str
+    victims: tuple[str, ...]
+    prefetch: bool
+    queue: str
+    body: bytes
+    headers: dict[str, Any]
+    content_type: str
+    content_encoding: str
+    properties: dict[str, Any]
+    push: tuple[str, bytes] | None
+    """(list key, raw message) for the assignment's Lua call; None: publish through kombu."""
+
+
 class Delivery:
     """Assign, publish, annotate (see module doc)."""
 
@@ -54,6 +74,8 @@ class Delivery:
     reservations: ReservationBook
     _producer: Any
     _direct: Any
+    _events: Any
+    """The leader's event dispatcher (`_event`); None until the first event."""
     """The broker channel whose lists the leader pushes deliveries onto itself
     (`redis_intake.direct_channel`); None: publish through kombu."""
     _declared: set[str]
@@ -86,6 +108,30 @@ class Delivery:
         *,
         prefetch: bool = False,
     ) -> None:
+        out = self._outgoing(task_id, worker, record, victims, prefetch)
+        push = out.push
+        if self.book.assign(task_id, worker, now=now, victims=victims, token=out.token, push=push):
+            self._sent(out, job, now)
+
+    def _deliver_all(
+        self, items: list[tuple[str, str, dict[str, Any], PendingJob]], now: float
+    ) -> None:
+        """A pass's plain assignments (`_deliver`), their assignment calls in one pipeline."""
+        outs = [self._outgoing(t, w, record, (), False) for t, w, record, _ in items]
+        tokens = self.book.assign_many([(o.task_id, o.worker, o.token, o.push) for o in outs], now)
+        for out, token, item in zip(outs, tokens, items, strict=True):
+            if token is not None:
+                self._sent(out, item[3], now)
+
+    def _outgoing(
+        self,
+        task_id: str,
+        worker: str,
+        record: dict[str, Any],
+        victims: tuple[str, ...],
+        prefetch: bool,
+    ) -> _Outgoing:
+        """The assignment's delivered message, built before it is recorded."""
         token = uuid.uuid4().hex
         msg = record["msg"]
         headers = self._headers(task_id, msg["headers"], token, victims, prefetch)
@@ -97,24 +143,28 @@ class Delivery:
         push = None  # with the store on the broker's Redis: pushed by the assignment's Lua call
         if self._direct is not None:
             push = redis_intake.envelope(self._direct, name, body, headers, props, ctype, cenc)
-        if not self.book.assign(task_id, worker, now=now, victims=victims, token=token, push=push):
-            return
-        self._account(task_id, worker, job, now, prefetch)
-        if push is None:
+        return _Outgoing(
+            task_id, worker, token, victims, prefetch, name, body, headers, ctype, cenc, props, push
+        )
+
+    def _sent(self, out: _Outgoing, job: PendingJob, now: float) -> None:
+        """An assignment recorded: account for it, publish it unless its Lua call pushed it."""
+        self._account(out.task_id, out.worker, job, now, out.prefetch)
+        if out.push is None:
             assert self._producer is not None
             self._producer.publish(
-                body,
+                out.body,
                 exchange="",  # the default exchange routes by queue name: no binding lookup
-                routing_key=name,
-                headers=headers,
-                content_type=ctype,
-                content_encoding=cenc,
-                declare=[] if name in self._declared else [ml_queue(name)],
-                **props,
+                routing_key=out.queue,
+                headers=out.headers,
+                content_type=out.content_type,
+                content_encoding=out.content_encoding,
+                declare=[] if out.queue in self._declared else [ml_queue(out.queue)],
+                **out.properties,
             )
-            self._declared.add(name)
-        what = f"preempting {', '.join(victims)}" if victims else "to start"
-        log.info("ojs-ml: assigned %s to %s (%s)", task_id, worker, what)
+            self._declared.add(out.queue)
+        what = f"preempting {', '.join(out.victims)}" if out.victims else "to start"
+        log.info("ojs-ml: assigned %s to %s (%s)", out.task_id, out.worker, what)
 
     def _headers(
         self,
@@ -150,12 +200,24 @@ class Delivery:
         fresh = [(t, was) for t, was in decision.escalations.items() if t not in self._escalated]
         if not fresh:
             return
-        with self.app.events.default_dispatcher() as dispatcher:
-            for task_id, was in fresh:
-                self._escalated[task_id] = True
-                to = jobs[task_id].req.ext_ml_escalation_target_class
-                log.info("ojs-ml: %s escalated from %s to %s (OJS ML §8.4)", task_id, was, to)
-                dispatcher.send("ojs-escalated", uuid=task_id, band_from=was, band_to=to)
+        for task_id, was in fresh:
+            self._escalated[task_id] = True
+            to = jobs[task_id].req.ext_ml_escalation_target_class
+            log.info("ojs-ml: %s escalated from %s to %s (OJS ML §8.4)", task_id, was, to)
+            self._event("ojs-escalated", {"uuid": task_id, "band_from": was, "band_to": to})
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> None:
+        """Send an `ojs-*` event through the leader's producer: inside a pass's publish
+        batch it rides the batch's one round trip (kombu >= 5.7 on Redis)."""
+        if self._producer is None:
+            with self.app.events.default_dispatcher() as dispatcher:
+                dispatcher.send(kind, **fields)
+            return
+        if self._events is None:
+            self._events = self.app.events.Dispatcher(
+                channel=self._producer.channel, enabled=False, buffer_while_offline=False
+            )
+        self._events.publish(kind, fields, self._producer)
 
     def _annotate(self, decision: Decision) -> None:
         changed: dict[str, tuple[str, float | None, str | None]] = {}
@@ -173,13 +235,7 @@ class Delivery:
             if first:
                 events.append(note)
         self.book.annotate(changed)
-        if events:
-            with self.app.events.default_dispatcher() as dispatcher:
-                for note in events:
-                    dispatcher.send(
-                        "ojs-resource-waiting",
-                        uuid=note.task_id,
-                        reason=note.reason_pending,
-                        t_estimate=note.t_estimate,
-                        worker=note.worker,
-                    )
+        for note in events:
+            fields: dict[str, Any] = {"uuid": note.task_id, "reason": note.reason_pending}
+            fields |= {"t_estimate": note.t_estimate, "worker": note.worker}
+            self._event("ojs-resource-waiting", fields)

@@ -55,6 +55,7 @@ class Intake:
     _conn: Any
     _consumer: Any
     _producer: Any
+    _events: Any
     _dirty: bool
     _declared: set[str]
     _reliable: RedisIntake | None
@@ -118,7 +119,7 @@ class Intake:
 
     def _close(self) -> None:
         conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
-        self._direct = None
+        self._direct = self._events = None
         self._intake = []  # not acked: the broker redelivers them to the next leader
         reliable, self._reliable = self._reliable, None
         if reliable is not None:

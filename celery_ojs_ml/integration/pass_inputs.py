@@ -36,6 +36,8 @@ from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 
+_JOB = "\x00job"
+"""Key under which the leader keeps a held record's parsed `PendingJob` (never stored)."""
 _RETURN_BACKOFF_S = 0.5
 """How long a job given back by a gate (or taken back) waits before it is assigned again."""
 
@@ -81,16 +83,22 @@ class PassInputs:
         return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
-        """The core's view of a waiting record, parsed once per admission and priority."""
+        """The core's view of a waiting record, parsed once per admission and priority, and
+        kept on the record the view holds (a record read again is a new dict)."""
+        if _JOB in record:
+            held: PendingJob | None = record[_JOB]
+            return held
         key = (task_id, str(record.get("admitted_at")), str(record.get("priority")))
         if key in self._jobs:
-            return self._jobs.get(key)
-        try:
-            job = pending_job(task_id, record, self.parse)
-        except Exception as exc:  # one foreign record must not stop every pass
-            log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
-            return None
-        self._jobs[key] = job
+            job = self._jobs.get(key)
+        else:
+            try:
+                job = pending_job(task_id, record, self.parse)
+            except Exception as exc:  # one foreign record must not stop every pass
+                log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
+                job = None
+            self._jobs[key] = job
+        record[_JOB] = job
         return job
 
     def _any_reservations(self) -> bool:

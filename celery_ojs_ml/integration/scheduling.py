@@ -126,6 +126,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self._reliable = None
         self._producer: Any = None
         self._direct: Any = None
+        self._events: Any = None
         self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
         """Admissions read from the intake, written in one batch after the drain."""
@@ -198,9 +199,13 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
     def step(self, wait_s: float) -> None:
         """Read the intake (waiting up to `wait_s` for news), then schedule once.
 
-        Passes are at least `_MIN_PASS_GAP_S` apart: under a stream of arrivals
-        and completions one pass then decides everything that came in meanwhile,
-        instead of one pass per job; an idle fleet's first job is not delayed.
+        A pass that started or preempted nothing is followed by a gap of twice its
+        cost (at most `_MIN_PASS_GAP_S`): under a stream of arrivals into a full
+        fleet one pass then decides everything that came in meanwhile, instead of
+        one pass per job. A pass that started jobs is not: the capacity freed since
+        is the next jobs' to take, and the leader's time stays in proportion to the
+        jobs it starts (with the gap after each pass as well, a backlog draining onto
+        a worker left it idle a third of the time, `bench/dispatch.py`).
         """
         self._connect()
         assert self._conn is not None
@@ -210,12 +215,11 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self._read(0 if self._dirty else wait_s, _ADMIT_BATCH)
         self._admit()
         began = time.monotonic()
-        self.schedule_once()
+        decision = self.schedule_once()
         self._last_pass = time.monotonic()
         self._settle()  # after the pass: the admitted jobs are in the store already
-        # Batch passes in proportion to their cost: a cheap pass (an idle fleet) lets the
-        # next job in at once; an expensive one (a long pending set) waits up to the cap.
-        self._gap_s = min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
+        started = decision.assignments or decision.preemptions
+        self._gap_s = 0.0 if started else min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
 
     def schedule_once(self) -> Decision:
         """Take back stale assignments, run the policy core, assign, annotate."""
@@ -243,7 +247,6 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
         self._carry_out(decision, fleet, records, jobs, now)
-        self._annotate(decision)
         self.passes += 1
         return decision
 
@@ -282,13 +285,15 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         jobs: dict[str, PendingJob],
         now: float,
     ) -> None:
-        """Deliver the pass's assignments and preemptions, deny, place, prefetch."""
+        """Deliver the pass's assignments and preemptions, deny, place, prefetch, annotate."""
         with self._batch():  # every kombu publish of the pass in one broker round trip
+            plain = []
             for a in decision.assignments:
                 if a.task_id.startswith(PREFIX):
                     self._place(a.task_id[len(PREFIX) :], a.worker)
                     continue
-                self._deliver(a.task_id, a.worker, records[a.task_id], jobs[a.task_id], (), now)
+                plain.append((a.task_id, a.worker, records[a.task_id], jobs[a.task_id]))
+            self._deliver_all(plain, now)
             for d in decision.denials:
                 self._deny(d.task_id, records.get(d.task_id), d.note)
             for p in decision.preemptions:
@@ -297,6 +302,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
             if self.settings.prefetch:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, records, jobs, now)
+            self._annotate(decision)  # its events ride the same batch
 
     def _place(self, rid: str, worker: str) -> None:
         """A reservation's placement: recorded (not published); the worker's gate holds it."""

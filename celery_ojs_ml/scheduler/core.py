@@ -26,6 +26,7 @@ stop early or time each decision (the benchmark).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -35,7 +36,7 @@ from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fair import fair_order, held_gpus
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
-from celery_ojs_ml.scheduler.frag import kind_of
+from celery_ojs_ml.scheduler.frag import Kind, kind_of
 from celery_ojs_ml.scheduler.gang import place_gangs
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
@@ -166,8 +167,12 @@ class Planner:
         self.budgets = BudgetBook(dict(policy.budgets), [*held, *inflight])
         largest = max((w.caps.gpu_count for w in fleet), default=0)
         sizes = {w.caps.gpu_count for w in fleet}
-        workload = Workload.of_kinds(map(kind_of, pending), largest, sizes)
-        exact = any(names_worker(j.req) for j in pending)
+        alike = _by_requirements(pending)
+        kinds: Counter[Kind] = Counter()
+        for job, n in alike:
+            kinds[kind_of(job)] += n
+        workload = Workload.of_counts(kinds, largest, sizes)
+        exact = any(names_worker(job.req) for job, _ in alike)
         self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
         self.estimator = Estimator(self.view)
         self.preemptor = Preemptor(self.view)
@@ -327,6 +332,14 @@ class Planner:
             self.budgets.report(),
             dict(self.escalated),
         )
+
+
+def _by_requirements(pending: Sequence[PendingJob]) -> list[tuple[PendingJob, int]]:
+    """One job per distinct requirements object, with how many share it: the admission
+    parses identical declarations into one object, so 10,000 jobs are a handful here."""
+    counts = Counter(id(j.req) for j in pending)
+    first = {id(j.req): j for j in pending}
+    return [(first[key], n) for key, n in counts.items()]
 
 
 def _gpus(job: PendingJob) -> int:

@@ -68,10 +68,11 @@ class Mix:
         return hit
 
     @classmethod
-    def of(cls, kinds: Iterable[Kind], coverage: float = 0.95) -> Mix:
+    def of(cls, kinds: Iterable[Kind] | Counter[Kind], coverage: float = 0.95) -> Mix:
         """The most common kinds that together make `coverage` of the jobs (FGD's typical jobs).
 
         Most common first, ties by larger demand; shares renormalised to sum to 1.
+        `kinds`: one per job, or each kind's number of jobs.
         """
         counts = Counter(kinds)
         total = sum(counts.values())

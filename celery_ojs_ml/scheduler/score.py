@@ -70,8 +70,17 @@ class Workload:
         `sizes`: the GPU counts of the fleet's workers, whose whole-worker jobs
         keep a share of the mix (`frag.with_sizes`).
         """
-        kinds = list(kinds)
-        counts = Counter(k.gpus for k in kinds if k.gpus > 0)
+        return cls.of_counts(Counter(kinds), largest, sizes)
+
+    @classmethod
+    def of_counts(
+        cls, kinds: Counter[Kind], largest: int = 8, sizes: Iterable[int] = ()
+    ) -> Workload:
+        """`of_kinds` from each kind's number of jobs."""
+        counts: Counter[int] = Counter()
+        for kind, n in kinds.items():
+            if kind.gpus > 0:
+                counts[kind.gpus] += n
         total = sum(counts.values())
         shares = tuple(sorted((g, n / total) for g, n in counts.items())) if total else ()
         mix = with_sizes(Mix.of(kinds, coverage=1.0), sizes)

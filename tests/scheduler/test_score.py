@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from celery_ojs_ml.matching import FreeCapacity
-from celery_ojs_ml.scheduler import Policy, Workload, score_placement
+from celery_ojs_ml.scheduler import PendingJob, Policy, Workload, schedule, score_placement
+from celery_ojs_ml.scheduler.frag import kind_of
 from celery_ojs_ml.scheduler.score import normalise
-from tests.scheduler.helpers import caps, decide, job, req, worker
+from tests.scheduler.helpers import NOW, caps, decide, job, req, running, worker
 
 
 def test_the_fgd_fragment_is_the_free_gpus_times_the_share_of_jobs_that_cannot_use_them() -> None:
@@ -87,3 +90,22 @@ def test_the_assignment_carries_the_same_score_explain_computes() -> None:
         pending[0].req, fleet[0].caps, fleet[0].free, workload=Workload.of([1], largest=1)
     )
     assert decision.assignments[0].score == expected.total
+
+
+def test_the_workload_counts_every_pending_job_whether_or_not_they_share_requirements() -> None:
+    """The pass groups pending jobs by their requirements object (the admission parses
+    identical declarations into one) to weigh fragmentation by kind: jobs sharing one
+    object count once each, exactly as jobs holding equal copies."""
+    sizes = [1, 1, 1, 2, 4, 1, 2, 8, 1, 1]
+    shared = {n: req(gpu_count=n) for n in set(sizes)}
+    one = [PendingJob(f"j{i}", shared[n], submitted_at=float(i)) for i, n in enumerate(sizes)]
+    copies = [
+        PendingJob(f"j{i}", shared[n].model_copy(), submitted_at=float(i))
+        for i, n in enumerate(sizes)
+    ]
+    busy = [running(f"r{i}", gpu_count=1) for i in range(3)]
+    fleet = [worker("a", jobs=busy), worker("b", "nvidia-a100x2"), worker("c", "nvidia-l40sx4")]
+    assert schedule(one, fleet, NOW) == schedule(copies, fleet, NOW)
+    counted = Workload.of_counts(Counter(kind_of(j) for j in copies), 8)
+    assert counted == Workload.of_kinds((kind_of(j) for j in copies), 8)
+    assert dict(counted.shares) == {1: 0.6, 2: 0.2, 4: 0.1, 8: 0.1}

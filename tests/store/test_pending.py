@@ -639,3 +639,41 @@ def test_admission_with_and_without_lua_keeps_the_same_records(store: OJSStore, 
     assert (waiting["state"], waiting["meta"], waiting["msg"]) == (PENDING, meta, _msg("k"))
     assert "seen" not in waiting or waiting["seen"] == []
     assert list(book.records()) == ["k"]
+
+
+def test_assign_many_assigns_in_one_pipeline_and_skips_jobs_no_longer_pending(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    """A pass's assignments in one round trip (`assign_many`): each is the same Lua
+    compare-and-set as `assign`, so a job not pending any more gets None, and each
+    delivery is pushed only with its own assignment."""
+    for task_id in ("a", "b", "c"):
+        _admitted(book, task_id)
+    taken = _assigned(book, "d", worker="w0@host")
+    items = [
+        ("a", "w1@host", "tok-a", ("ojs-test-list", b"msg-a")),
+        ("d", "w1@host", "tok-d", ("ojs-test-list", b"msg-d")),
+        ("b", "w2@host", "tok-b", None),
+        ("c", "w1@host", "tok-c", ("ojs-test-list", b"msg-c")),
+    ]
+    assert book.assign_many(items, now=42.0) == ["tok-a", None, "tok-b", "tok-c"]
+    for task_id, worker in (("a", "w1@host"), ("b", "w2@host"), ("c", "w1@host")):
+        record = book.get(task_id)
+        assert record is not None and record["state"] == ASSIGNED
+        assert record["worker"] == worker and record["token"] == f"tok-{task_id}"
+        assert float(record["assigned_at"]) == 42.0 and record["victims"] == []
+    record = book.get("d")
+    assert record is not None and record["token"] == taken, "the earlier assignment stands"
+    assert redis_client.lrange("ojs-test-list", 0, -1) == [b"msg-c", b"msg-a"]
+
+
+def test_assign_many_without_lua_scripting_decides_exactly_as_the_script(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    book._assign_script = None
+    _admitted(book, "a")
+    _admitted(book, "b")
+    book.cancel("b")
+    items = [("a", "w1@host", "tok-a", ("ojs-test-list", b"msg-a")), ("b", "w1@host", "t", None)]
+    assert book.assign_many(items, now=1.0) == ["tok-a", None]
+    assert redis_client.lrange("ojs-test-list", 0, -1) == [b"msg-a"]
