@@ -183,15 +183,15 @@ class RedisIntake:
         return self._messages(reversed(raws))  # oldest first (LPUSH-ed at the head)
 
     def pop(self, wait_s: float) -> list[IntakeMessage]:
-        """Up to `batch` messages, waiting up to `wait_s` (in `POLL_S` slices) for the first."""
+        """Up to `batch` messages there now; else the first to come within `wait_s` (one
+        `POLL_S` slice at most)."""
         raws: list[bytes] = self._pop(keys=[*self.keys, self.processing], args=[self.batch])
         if raws or wait_s <= 0:
             return self._messages(raws)
         item = self.client.brpoplpush(self.keys[0], self.processing, min(wait_s, POLL_S))
-        if item is None:
-            return []
-        more: list[bytes] = self._pop(keys=[*self.keys, self.processing], args=[self.batch - 1])
-        return self._messages([item, *more])
+        # Only the one that woke us: a job arriving at an idle leader is admitted without
+        # another round trip; what came with it is read, without waiting, next step.
+        return [] if item is None else self._messages([item])
 
     def done(self) -> None:
         """Take every settled message off the processing list (one round trip)."""
