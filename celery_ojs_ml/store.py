@@ -243,16 +243,46 @@ class OJSStore:
         With `held`, the worker's held-jobs snapshot (`set_held`) goes in the same write;
         with `push` (list key, value), an LPUSH too (a wake-up of the scheduler).
         """
+        commands = self.advertise_commands(
+            worker, capabilities, free, ttl_s=ttl_s, info=info, held=held, push=push
+        )
+        with self._r.pipeline(transaction=True) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            pipe.execute()
+
+    def advertise_commands(
+        self,
+        worker: str,
+        capabilities: dict[str, Any],
+        free: dict[str, Any],
+        *,
+        ttl_s: float = 10.0,
+        info: dict[str, Any] | None = None,
+        held: list[dict[str, Any]] | None = None,
+        push: tuple[str, bytes] | None = None,
+    ) -> list[tuple[str | bytes | int, ...]]:
+        """`advertise`'s writes as Redis commands, for a caller that sends them itself
+        (the worker's wake-up, on its lease connection, without waiting for the reply);
+        applied in order on one connection, the push comes after the heartbeat."""
         payload = {
             "capabilities": capabilities,
             "free": free,
             "info": info or {},
             "ts": self._clock(),
         }
-        items: list[tuple[str, str, Any]] = [("worker", worker, payload)]
+        ttl_ms = _ttl_ms(ttl_s)
+        expires_ms = round(self._clock() * 1000) + ttl_ms
+        items: list[tuple[str, Any]] = [("worker", payload)]
         if held is not None:
-            items.append(("held", worker, held))
-        self._put_many(items, ttl_s, push)
+            items.append(("held", held))
+        commands: list[tuple[str | bytes | int, ...]] = []
+        for kind, value in items:
+            commands.append(("SET", self.key(kind, worker), _dumps(value), "PX", ttl_ms))
+            commands.append(("ZADD", self.key("index", kind), expires_ms, worker))
+        if push is not None:
+            commands.append(("LPUSH", push[0], push[1]))
+        return commands
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
@@ -74,12 +75,18 @@ class Advertising(Gate):
     _bad_classes: set[str]
     _caps_doc: dict[str, Any] | None
 
-    def advertise(self, wake: tuple[str, bytes] | None = None) -> None:
+    def advertise(
+        self,
+        wake: tuple[str, bytes] | None = None,
+        send: Callable[[list[tuple[Any, ...]]], bool] | None = None,
+    ) -> None:
         """Heartbeat: capabilities and free capacity into the live-worker registry.
 
         `wake` (a wake-up's list and message, `redis_intake.wake_list`): capacity
         changed; the wake-up goes in the same round trip, and the capabilities are
         those of the last heartbeat (live models are read again at the next one).
+        `send`: sends the writes without waiting for their reply (the lease writer's
+        `fire`); when it returns False they are written here and waited for.
         """
         ttl = 3 * self.settings.heartbeat_s
         with self.lock:
@@ -88,20 +95,16 @@ class Advertising(Gate):
         try:
             if wake is None or self._caps_doc is None:
                 self._caps_doc = self._advertised_caps()
-            self.store.advertise(
-                self.hostname,
-                self._caps_doc,
-                snap,
-                ttl_s=ttl,
-                info={
-                    "pid": os.getpid(),
-                    "pinning": self.prefork,
-                    "queues": sorted(self.logical),
-                    "address": self.address,
-                },
-                held=held,
-                push=wake,
-            )
+            info = {
+                "pid": os.getpid(),
+                "pinning": self.prefork,
+                "queues": sorted(self.logical),
+                "address": self.address,
+            }
+            args = (self.hostname, self._caps_doc, snap)
+            kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}
+            if send is None or not send(self.store.advertise_commands(*args, **kwargs)):
+                self.store.advertise(*args, **kwargs)
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
 

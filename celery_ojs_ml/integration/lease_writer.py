@@ -22,8 +22,9 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -33,6 +34,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Batch = tuple[list[tuple[str, str, float]], list[tuple[str, str]], list[Callable[[bool], None]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Fired:
+    """Commands sent by `LeaseWriter.fire`: their number of replies, and what redoes them."""
+
+    replies: int
+    again: Callable[[], None]
+
+
 """Takes `(task_id, json, deadline)`, releases `(task_id, token)` and the takes' callbacks."""
 
 Record = dict[str, Any] | Callable[[], dict[str, Any]]
@@ -83,7 +94,7 @@ class LeaseWriter:
         self._last_take = -1e9
         self._conn: Any = None
         self._fd: int | None = None
-        self._inflight: deque[Batch] = deque()
+        self._inflight: deque[Batch | Fired] = deque()
         self._tokens = map(f"{uuid.uuid4().hex}-{{}}".format, itertools.count())
 
     def take(self, task_id: str, record: Record, written: Callable[[bool], None]) -> str:
@@ -219,6 +230,21 @@ class LeaseWriter:
         self._inflight.append(batch)
         return True
 
+    def fire(self, commands: Sequence[Sequence[Any]], again: Callable[[], None]) -> bool:
+        """Send `commands` on the writer's connection without waiting for their replies
+        (the event loop reads them); `again` redoes them, synchronously, when one fails or
+        the connection is lost first. False: nothing sent (no connection of its own)."""
+        conn = self._connection()
+        if conn is None:
+            return False
+        try:
+            conn.send_packed_command([pack_command(*c) for c in commands])
+        except Exception as exc:
+            self._lost(exc)
+            return False
+        self._inflight.append(Fired(len(commands), again))
+        return True
+
     def _connection(self) -> Any:
         if self._loop is None:
             return None
@@ -257,14 +283,34 @@ class LeaseWriter:
             self._lost(exc)
 
     def _settle_one(self) -> None:
+        first = self._inflight[0]
+        if isinstance(first, Fired):
+            self._inflight.popleft()
+            self._settle_fired(first)
+            return
         try:
             self._conn.read_response()
         except redis.ResponseError as exc:  # NOSCRIPT after a server restart, or a script error
-            batch = self._inflight.popleft()
+            batch = cast(Batch, self._inflight.popleft())
             log.info("ojs-ml: a batched lease write failed (%s); writing it again", exc)
             self._finish(batch, self._write(batch[0], batch[1]))
             return
-        self._finish(self._inflight.popleft(), True)
+        self._finish(cast(Batch, self._inflight.popleft()), True)
+
+    def _settle_fired(self, fired: Fired) -> None:
+        failed = None
+        try:
+            for _ in range(fired.replies):
+                try:
+                    self._conn.read_response()
+                except redis.ResponseError as exc:
+                    failed = exc
+        except Exception:
+            fired.again()  # the connection broke: `_lost` redoes the rest
+            raise
+        if failed is not None:
+            log.info("ojs-ml: a write sent without waiting failed (%s); writing it again", failed)
+            fired.again()
 
     def _lost(self, exc: Exception) -> None:
         """The connection broke: forget it; batches without a reply are written again."""
@@ -276,6 +322,9 @@ class LeaseWriter:
         self.close()
         while self._inflight:
             batch = self._inflight.popleft()
+            if isinstance(batch, Fired):
+                batch.again()
+                continue
             self._finish(batch, self._write(batch[0], batch[1]))  # writes are idempotent
 
     def close(self) -> None:

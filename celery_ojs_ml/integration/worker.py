@@ -227,7 +227,15 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
     def _wake_now(self) -> None:
         self._wake_due = False
         if self._wake_list is not None:  # one round trip: advertisement and wake-up
-            self.advertise(wake=(self._wake_list, redis_intake.wake_message(self.hostname)))
+            wake = (self._wake_list, redis_intake.wake_message(self.hostname))
+            if threading.current_thread() is not threading.main_thread():
+                self.advertise(wake=wake)  # the writer's connection belongs to the loop
+                return
+
+            def again() -> None:
+                self.advertise(wake=wake)
+
+            self.advertise(wake=wake, send=lambda cmds: self.writer.fire(cmds, again))
             return
         self.advertise()
         try:

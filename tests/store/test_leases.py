@@ -416,3 +416,54 @@ def test_pack_command_sends_what_redis_py_would() -> None:
     )
     serializer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     assert pack_command(*args) == b"".join(serializer.pack(*args))
+
+
+def test_fired_writes_are_sent_without_waiting_and_settled_by_the_loop(
+    redis_client: redis.Redis,
+) -> None:
+    """The worker's wake-up advertisement (`LeaseWriter.fire`): sent on the writer's own
+    connection, its replies read by the event loop, in order with lease batches."""
+    leases, loop, writer = _async_writer(redis_client)
+    redone: list[str] = []
+    acks: list[bool] = []
+    writer.take("fired-1", _record("fired-1"), acks.append)
+    writer.flush()
+    commands = [("SET", "lt-fired", "1"), ("LPUSH", "lt-fired-list", "wake")]
+    assert writer.fire(commands, lambda: redone.append("again")) is True
+    assert writer.pending() == 2, "the lease batch and the fired writes await their replies"
+    loop.poll()
+    writer.flush(wait=True)
+    assert writer.pending() == 0 and acks == [True] and redone == []
+    assert redis_client.get("lt-fired") == b"1"
+    assert redis_client.lrange("lt-fired-list", 0, -1) == [b"wake"]
+    writer.close()
+
+
+def test_a_fired_write_that_fails_or_whose_connection_breaks_is_redone(
+    redis_client: redis.Redis,
+) -> None:
+    leases, loop, writer = _async_writer(redis_client)
+    redone: list[str] = []
+    redis_client.set("lt-text", "not a list")
+    wrong = [("LPUSH", "lt-text", "x"), ("SET", "lt-after", "1")]
+    assert writer.fire(wrong, lambda: redone.append("type")) is True
+    loop.poll()
+    writer.flush(wait=True)
+    assert redone == ["type"] and writer.pending() == 0
+    assert redis_client.get("lt-after") == b"1", "every reply was read: the stream stays aligned"
+    host, port = writer._conn._sock.getsockname()[:2]
+    assert redis_client.client_kill(f"{host}:{port}")
+    sent = writer.fire([("SET", "lt-lost", "1")], lambda: redone.append("lost"))
+    loop.poll(timeout=1)
+    writer.flush(wait=True)
+    if sent:  # on the dead connection: its reply never came, so it is redone
+        assert redone == ["type", "lost"]
+    else:  # refused at once: nothing to redo, the caller writes it itself
+        assert redone == ["type"]
+    assert redis_client.get("lt-lost") is None, "the killed connection applied nothing"
+    writer.close()
+
+
+def test_without_a_loop_nothing_is_fired(book: tuple[LeaseBook, Clock]) -> None:
+    leases, _ = book
+    assert LeaseWriter(leases, None).fire([("SET", "x", "1")], lambda: None) is False
