@@ -423,7 +423,7 @@ def test_fired_writes_are_sent_without_waiting_and_settled_by_the_loop(
 ) -> None:
     """The worker's wake-up advertisement (`LeaseWriter.fire`): sent on the writer's own
     connection, its replies read by the event loop, in order with lease batches."""
-    leases, loop, writer = _async_writer(redis_client)
+    _leases, loop, writer = _async_writer(redis_client)
     redone: list[str] = []
     acks: list[bool] = []
     writer.take("fired-1", _record("fired-1"), acks.append)
@@ -442,7 +442,7 @@ def test_fired_writes_are_sent_without_waiting_and_settled_by_the_loop(
 def test_a_fired_write_that_fails_or_whose_connection_breaks_is_redone(
     redis_client: redis.Redis,
 ) -> None:
-    leases, loop, writer = _async_writer(redis_client)
+    _leases, loop, writer = _async_writer(redis_client)
     redone: list[str] = []
     redis_client.set("lt-text", "not a list")
     wrong = [("LPUSH", "lt-text", "x"), ("SET", "lt-after", "1")]
