@@ -123,10 +123,7 @@ class PendingBook(Admitting, LeaderLock, Reading):
             "victims": json.dumps(list(victims)),
         }
         if self._assign_script is not None:
-            args = [worker, token, fields["assigned_at"], fields["victims"], task_id]
-            keys = [self._key(task_id), self._changed]
-            if push is not None:
-                keys, args = [*keys, push[0]], [*args, push[1].decode()]
+            keys, args = self._assign_call(task_id, worker, token, fields, push)
             try:
                 return token if self._assign_script(keys=keys, args=args) else None
             except (redis.ConnectionError, redis.TimeoutError):
@@ -146,14 +143,11 @@ class PendingBook(Admitting, LeaderLock, Reading):
         runs Lua; each item's token, or None where the job was not pending any more."""
         if self._assign_script is None or len(items) < 2:
             return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
-        stamp = repr(now)
+        fields = {"assigned_at": repr(now), "victims": "[]"}
         try:
             with self._r.pipeline(transaction=False) as pipe:
                 for task_id, worker, token, push in items:
-                    keys = [self._key(task_id), self._changed]
-                    args = [worker, token, stamp, "[]", task_id]
-                    if push is not None:
-                        keys, args = [*keys, push[0]], [*args, push[1].decode()]
+                    keys, args = self._assign_call(task_id, worker, token, fields, push)
                     self._assign_script(keys=keys, args=args, client=pipe)
                 done = pipe.execute()
         except (redis.ConnectionError, redis.TimeoutError):
@@ -162,6 +156,21 @@ class PendingBook(Admitting, LeaderLock, Reading):
             log.info("ojs-ml: pipelined assignments failed (%s); one at a time", exc)
             return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
         return [token if ok else None for (_, _, token, _), ok in zip(items, done, strict=True)]
+
+    def _assign_call(
+        self,
+        task_id: str,
+        worker: str,
+        token: str,
+        fields: Mapping[str, str],
+        push: tuple[str, bytes] | None,
+    ) -> tuple[list[str], list[str]]:
+        """The ASSIGN script's keys and arguments."""
+        args = [worker, token, fields["assigned_at"], fields["victims"], task_id]
+        keys = [self._key(task_id), self._changed]
+        if push is not None:
+            keys, args = [*keys, push[0]], [*args, push[1].decode()]
+        return keys, args
 
     def start(self, task_id: str, token: str, worker: str) -> str:
         """The gate starts the job: "ok", "stale" (another assignment is current), "again"

@@ -74,10 +74,10 @@ class Delivery:
     reservations: ReservationBook
     _producer: Any
     _direct: Any
-    _events: Any
-    """The leader's event dispatcher (`_event`); None until the first event."""
     """The broker channel whose lists the leader pushes deliveries onto itself
     (`redis_intake.direct_channel`); None: publish through kombu."""
+    _events: Any
+    """The leader's event dispatcher (`_event`); None until the first event."""
     _declared: set[str]
     _prefetched: dict[str, str]
     policy: Policy
@@ -109,8 +109,9 @@ class Delivery:
         prefetch: bool = False,
     ) -> None:
         out = self._outgoing(task_id, worker, record, victims, prefetch)
-        push = out.push
-        if self.book.assign(task_id, worker, now=now, victims=victims, token=out.token, push=push):
+        if self.book.assign(
+            task_id, worker, now=now, victims=victims, token=out.token, push=out.push
+        ):
             self._sent(out, job, now)
 
     def _deliver_all(
