@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 from celery_ojs_ml.allocator.capacity import ASSESSED_MAX, Assessment, RunningBook, RunningJob
-from celery_ojs_ml.allocator.choice import choose_whole, wants_peers
+from celery_ojs_ml.allocator.choice import choose_whole, linked, wants_peers
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
@@ -146,17 +146,47 @@ class Allocator(RunningBook):
     def move(self, key: Hashable, devices: Sequence[int]) -> Allocation | None:
         """Give a running job other devices of the same count, if all are free; else None.
 
-        The warm pool moves a job to the devices an idle child is bound to.
+        The warm pool moves a job to the devices an idle child is bound to. A set
+        of NVLink peers is only exchanged for another one.
         """
         job = self._running.get(key)
-        if job is None or len(devices) != len(job.alloc.devices) or job.alloc.gpu_milli:
-            return None  # a share stays where its milli-GPU are accounted
+        if job is None or not self._may_trade(job, devices):
+            return None
         taken = {i for k, j in self._running.items() if k != key for i in j.alloc.devices}
         if set(devices) & taken or not all(0 <= i < self._caps.gpu_count for i in devices):
             return None
-        alloc = replace(job.alloc, devices=tuple(devices))
         if self._ledger is not None:
             self._ledger.release_job(key, job.alloc.devices)
+        return self._repin(key, job, devices)
+
+    def swap(self, a: Hashable, b: Hashable) -> tuple[Allocation, Allocation] | None:
+        """Exchange the devices of two running jobs of the same count; None if they cannot.
+
+        The warm pool gives a job waiting for a pool child the devices an idle
+        child is bound to, when a later job that no child has taken holds them.
+        """
+        ja, jb = self._running.get(a), self._running.get(b)
+        if ja is None or jb is None or a == b:
+            return None
+        da, db = ja.alloc.devices, jb.alloc.devices
+        if not (self._may_trade(ja, db) and self._may_trade(jb, da)):
+            return None
+        if self._ledger is not None:
+            self._ledger.release_job(a, da)
+            self._ledger.release_job(b, db)
+        return self._repin(a, ja, db), self._repin(b, jb, da)
+
+    def _may_trade(self, job: RunningJob, devices: Sequence[int]) -> bool:
+        """Whether a job may run on `devices` instead: as many, whole, as linked as before."""
+        old = job.alloc.devices
+        if len(devices) != len(old) or job.alloc.gpu_milli:
+            return False  # a share stays where its milli-GPU are accounted
+        peers = self._peers
+        return peers is None or len(old) < 2 or not linked(old, peers) or linked(devices, peers)
+
+    def _repin(self, key: Hashable, job: RunningJob, devices: Sequence[int]) -> Allocation:
+        alloc = replace(job.alloc, devices=tuple(devices))
+        if self._ledger is not None:
             self._ledger.take_job(key, alloc.devices, 0)
         self._running[key] = RunningJob(alloc, job.labels, job.pool)
         return alloc

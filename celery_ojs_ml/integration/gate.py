@@ -127,15 +127,32 @@ class Gate(LeaseKeeping):
         if child.RECYCLE["mode"] == "warm" and self.prefork:
             self.router = warm_pool.Router.install(c, self.devices_by_id.get, self._move)
 
-    def _move(self, task_id: str, devices: tuple[int, ...]) -> bool:
-        """The router moves a dispatched job onto an idle warm child's devices."""
+    def _move(
+        self, task_id: str, devices: tuple[int, ...], written: Callable[[str], bool]
+    ) -> dict[str, tuple[int, ...]]:
+        """The router moves a dispatched job onto an idle warm child's devices: free ones,
+        or those of a job no child has taken yet (`written` says which), which gets the
+        first job's devices in exchange. The jobs whose devices changed; {} if none."""
         with self.lock:
             req = self._requests.get(task_id)
-            if req is None or self.allocator.move(req, devices) is None:
-                return False
-            self.devices_by_id[task_id] = devices
-            req.request_dict["ojs_devices"] = list(devices)
-        return True
+            if req is None:
+                return {}
+            if self.allocator.move(req, devices) is not None:
+                moved = {task_id: devices}
+            else:
+                other = next(
+                    (t for t, d in self.devices_by_id.items()
+                     if d == devices and t != task_id and not written(t)),
+                    None,
+                )  # fmt: skip
+                peer = None if other is None else self._requests.get(other)
+                if other is None or peer is None or self.allocator.swap(req, peer) is None:
+                    return {}
+                moved = {task_id: devices, other: self.devices_by_id[task_id]}
+            for moved_id, moved_to in moved.items():
+                self.devices_by_id[moved_id] = moved_to
+                self._requests[moved_id].request_dict["ojs_devices"] = list(moved_to)
+        return moved
 
     def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
         """A scheduled job that does not fit: preempt the planned victims, else give it back."""
@@ -253,6 +270,8 @@ class Gate(LeaseKeeping):
         """Free a finished job's allocation, then start held jobs that now fit."""
         self.preemptions.finished(req)
         self.devices_by_id.pop(req.id, None)
+        if self.router is not None:
+            self.router.finished(req.id)
         self._requests.pop(req.id, None)
         with self.lock:
             self.fenced.discard(req)

@@ -18,6 +18,11 @@ Key decisions (DESIGN decision 3, issue 13):
   move the job to the front of the outbound buffer and call the original with
   that one pipe. A GPU job goes to an idle child bound to exactly its devices,
   else to an unbound child; a job without devices prefers an unbound child.
+  A GPU job no idle child is bound to is moved onto the devices of an idle
+  child bound to as many: free ones, or those held by a later job that no
+  child has taken yet, which gets the first job's devices in exchange (jobs
+  waiting for a pool process hold their devices; without the exchange a later
+  job would take the warm child first and the earlier one would wait on).
 - **Retirement.** When a GPU job has no eligible idle child but idle children
   bound to other devices exist, the least recently used of them is
   terminated (billiard starts a fresh one); the job waits for it. So a child
@@ -47,6 +52,8 @@ TAINTED = -1
 """Slot value of a child whose CUDA was initialised with no allocation (all devices)."""
 _TABLE: dict[str, Any] = {}
 _RETIRE_AFTER_S = 0.05
+Move = Callable[[str, tuple[int, ...], Callable[[str], bool]], dict[str, tuple[int, ...]]]
+"""The gate's `_move(task_id, devices, written)`: the jobs whose devices it changed ({} if none)."""
 
 
 def make_table() -> None:
@@ -143,14 +150,17 @@ class Router:
         pool: Any,
         hub: Any,
         devices_of: Callable[[str], tuple[int, ...] | None],
-        move: Callable[[str, tuple[int, ...]], bool],
+        move: Move,
     ):
         self.pool, self.hub, self.devices_of, self.move = pool, hub, devices_of, move
         self.original: Callable[..., Any] = hub.consolidate_callback
         self.last_used: dict[int, float] = {}
         self.retired = 0
         self.warm_hits = 0
-        self._moved: dict[int, int] = {}
+        self._moved: dict[str, int] = {}
+        """Jobs whose devices changed after their message was built: the child is told."""
+        self._written: set[str] = set()
+        """Jobs written to a child (their devices can no longer change)."""
         self._stuck: dict[str, float] = {}
         """Jobs no idle child could take, since when (retirement waits `_RETIRE_AFTER_S`)."""
         hub.consolidate_callback = self.schedule
@@ -160,7 +170,7 @@ class Router:
         cls,
         c: Any,
         devices_of: Callable[[str], tuple[int, ...] | None],
-        move: Callable[[str, tuple[int, ...]], bool],
+        move: Move,
     ) -> Router | None:
         """Wrap the pool of consumer `c`, or None (logged) where that is not possible.
 
@@ -218,8 +228,10 @@ class Router:
             if fd is None:
                 continue
             idle.remove(fd)
-            self._stuck.pop(str(getattr(job, "correlation_id", "")), None)
-            self._announce(fd, job)
+            task_id = str(getattr(job, "correlation_id", ""))
+            self._stuck.pop(task_id, None)
+            self._written.add(task_id)
+            self._announce(fd, task_id)
             outbound.remove(job)
             outbound.appendleft(job)
             self.last_used[fd] = time.monotonic()
@@ -238,13 +250,17 @@ class Router:
                 self.warm_hits += 1
                 return fd
         task_id = str(getattr(job, "correlation_id", ""))
-        for fd in idle:  # a child bound to other free devices of the same count: move the job
+        for fd in idle:  # a child bound to other devices of the same count: move the job
             bound = bindings[fd] or 0
-            same = bound > 0 and bin(bound).count("1") == bin(want).count("1")
-            if same and self.move(task_id, tuple(devices_of_mask(bound))):
-                self.warm_hits += 1
-                self._moved[fd] = bound
-                return fd
+            if bound > 0 and bin(bound).count("1") == bin(want).count("1"):
+                repinned = self.move(
+                    task_id, tuple(devices_of_mask(bound)), self._written.__contains__
+                )
+                for moved, devices in repinned.items():
+                    self._moved[moved] = mask_of(devices)
+                if repinned:
+                    self.warm_hits += 1
+                    return fd
         for fd in idle:
             if not bindings[fd]:
                 return fd
@@ -258,12 +274,17 @@ class Router:
             self._retire_one(idle, bindings)
         return None
 
-    def _announce(self, fd: int, job: Any) -> None:
+    def _announce(self, fd: int, task_id: str) -> None:
         """Tell the child, before it reads the job, which devices the job was moved to."""
         proc = self.pool._fileno_to_inq.get(fd)
         index = getattr(proc, "index", None)
         if index is not None:
-            _TABLE["next"][index] = self._moved.pop(fd, 0)
+            _TABLE["next"][index] = self._moved.pop(task_id, 0)
+
+    def finished(self, task_id: str) -> None:
+        """The gate released the job: forget it."""
+        self._written.discard(task_id)
+        self._moved.pop(task_id, None)
 
     def _retire_one(self, idle: list[int], bindings: dict[int, int | None]) -> None:
         """No idle child can take the job: retire the least recently used bound one."""
