@@ -137,25 +137,57 @@ class PendingBook(Admitting, LeaderLock, Reading):
         return token if ok else None
 
     def assign_many(
-        self, items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]], now: float
+        self,
+        items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
+        now: float,
+        notes: Mapping[str, tuple[str, float | None, str | None]] | None = None,
     ) -> list[str | None]:
-        """`assign` of (task id, worker, token, push) each, in one pipeline where the store
-        runs Lua; each item's token, or None where the job was not pending any more."""
-        if self._assign_script is None or len(items) < 2:
-            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
+        """`assign` of (task id, worker, token, push) each, and `annotate(notes)`, in one
+        pipeline where the store runs Lua; each item's token, or None where the job was
+        not pending any more.
+
+        The script goes out as a bare `EVALSHA`: redis-py's pipelined `Script` asks
+        `SCRIPT EXISTS` first, a round trip of its own on every pass. Where the server
+        does not hold the script (its first use, a restart) those items are assigned
+        again one by one, which loads it."""
+        replies = None if self._assign_script is None else self._assign_pipelined(items, now, notes)
+        if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
+            replies = [_NO_SCRIPTING[0]("no pipeline")] * len(items)
+            self.annotate(notes or {})
+        tokens: list[str | None] = []
+        for (task_id, worker, token, push), ok in zip(items, replies, strict=False):
+            if isinstance(ok, _NO_SCRIPTING):  # the server does not hold the script: it loads it
+                ok = self.assign(task_id, worker, now=now, token=token, push=push)
+            elif isinstance(ok, Exception):
+                raise ok
+            tokens.append(token if ok else None)
+        for reply in replies[len(items) :]:
+            if isinstance(reply, Exception):
+                raise reply
+        return tokens
+
+    def _assign_pipelined(
+        self,
+        items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
+        now: float,
+        notes: Mapping[str, tuple[str, float | None, str | None]] | None,
+    ) -> list[Any] | None:
+        """`assign_many`'s pipeline: each item's reply (or error), then the notes'; None
+        where the store runs no Lua."""
         fields = {"assigned_at": repr(now), "victims": "[]"}
+        sha = self._assign_script.sha
         try:
             with self._r.pipeline(transaction=False) as pipe:
                 for task_id, worker, token, push in items:
                     keys, args = self._assign_call(task_id, worker, token, fields, push)
-                    self._assign_script(keys=keys, args=args, client=pipe)
-                done = pipe.execute()
+                    pipe.evalsha(sha, len(keys), *keys, *args)
+                self._annotations(pipe, notes or {})
+                return list(pipe.execute(raise_on_error=False))
         except (redis.ConnectionError, redis.TimeoutError):
             raise
-        except _NO_SCRIPTING as exc:  # `assign` finds out again and falls back for good
+        except _NO_SCRIPTING as exc:
             log.info("ojs-ml: pipelined assignments failed (%s); one at a time", exc)
-            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
-        return [token if ok else None for (_, _, token, _), ok in zip(items, done, strict=True)]
+            return None
 
     def _assign_call(
         self,
@@ -271,10 +303,15 @@ class PendingBook(Admitting, LeaderLock, Reading):
         if not notes:
             return
         with self._r.pipeline(transaction=False) as pipe:
-            for task_id, (reason, t_est, worker) in notes.items():
-                note = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
-                pipe.hset(self._key(task_id), "annotation", json.dumps(note))
+            self._annotations(pipe, notes)
             pipe.execute()
+
+    def _annotations(
+        self, pipe: Any, notes: Mapping[str, tuple[str, float | None, str | None]]
+    ) -> None:
+        for task_id, (reason, t_est, worker) in notes.items():
+            note = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
+            pipe.hset(self._key(task_id), "annotation", json.dumps(note))
 
     def cancel(self, task_id: str) -> bool:
         """RFC 27 cancel: drop a job no worker has started (waiting or assigned); True if so.

@@ -57,9 +57,17 @@ class Reading:
     def started_at(self, task_ids: list[str]) -> dict[str, float | None]:
         """When each job's gate started it; None when it is not started or has no record."""
         with self._r.pipeline(transaction=False) as pipe:
-            for task_id in task_ids:
-                pipe.hmget(self._key(task_id), "state", "started_at")
-            rows = pipe.execute()
+            self.read_started(pipe, task_ids)
+            return self.parse_started(task_ids, pipe.execute())
+
+    def read_started(self, pipe: Any, task_ids: list[str]) -> None:
+        """`started_at`'s reads, queued on `pipe` (the leader's pass reads carry them)."""
+        for task_id in task_ids:
+            pipe.hmget(self._key(task_id), "state", "started_at")
+
+    @staticmethod
+    def parse_started(task_ids: list[str], rows: list[Any]) -> dict[str, float | None]:
+        """`started_at` from the replies of `read_started`."""
         out: dict[str, float | None] = {}
         for task_id, (state, at) in zip(task_ids, rows, strict=True):
             ok = state is not None and _text(state) == STARTED and at is not None

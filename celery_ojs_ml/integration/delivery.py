@@ -115,11 +115,16 @@ class Delivery:
             self._sent(out, job, now)
 
     def _deliver_all(
-        self, items: list[tuple[str, str, dict[str, Any], PendingJob]], now: float
+        self,
+        items: list[tuple[str, str, dict[str, Any], PendingJob]],
+        now: float,
+        notes: dict[str, tuple[str, float | None, str | None]],
     ) -> None:
-        """A pass's plain assignments (`_deliver`), their assignment calls in one pipeline."""
+        """A pass's plain assignments (`_deliver`) and its changed annotations: the
+        assignment calls and the notes' writes in one pipeline."""
         outs = [self._outgoing(t, w, record, (), False) for t, w, record, _ in items]
-        tokens = self.book.assign_many([(o.task_id, o.worker, o.token, o.push) for o in outs], now)
+        items_out = [(o.task_id, o.worker, o.token, o.push) for o in outs]
+        tokens = self.book.assign_many(items_out, now, notes)
         for out, token, item in zip(outs, tokens, items, strict=True):
             if token is not None:
                 self._sent(out, item[3], now)
@@ -220,9 +225,11 @@ class Delivery:
             )
         self._events.publish(kind, fields, self._producer)
 
-    def _annotate(self, decision: Decision) -> None:
+    def _changed_notes(self, decision: Decision) -> tuple[dict[str, Any], list[Any]]:
+        """The pass's annotations that changed since last written, and those annotated
+        for the first time (each gets an `ojs-resource-waiting` event)."""
         changed: dict[str, tuple[str, float | None, str | None]] = {}
-        events = []
+        first_seen = []
         for task_id, note in decision.annotations.items():
             if task_id.startswith(PREFIX):
                 self.reservations.note(task_id[len(PREFIX) :], note.reason_pending)
@@ -234,9 +241,11 @@ class Delivery:
             self._notes[task_id] = key
             changed[task_id] = (note.reason_pending, note.t_estimate, note.worker)
             if first:
-                events.append(note)
-        self.book.annotate(changed)
-        for note in events:
+                first_seen.append(note)
+        return changed, first_seen
+
+    def _waiting_events(self, first_seen: list[Any]) -> None:
+        for note in first_seen:
             fields: dict[str, Any] = {"uuid": note.task_id, "reason": note.reason_pending}
             fields |= {"t_estimate": note.t_estimate, "worker": note.worker}
             self._event("ojs-resource-waiting", fields)

@@ -22,7 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_ojs_ml.checkpoint.records import last_checkpoints
-from celery_ojs_ml.integration.fleet_view import BudgetHold, budget_inflight, pending_job
+from celery_ojs_ml.integration.fleet_view import BudgetHold, Ledger, budget_inflight, pending_job
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.integration.pass_reads import read_pass
 from celery_ojs_ml.integration.reservations import ReservationBook
@@ -54,6 +54,8 @@ class PassInputs:
     reservations: ReservationBook
     policy: Policy
     _holds: dict[str, BudgetHold]
+    ledger: Ledger
+    _starts: dict[str, float | None]
     _jobs: LRU[tuple[str, str, str], PendingJob | None]
     _full_pass_at: float
     _dirty: bool
@@ -62,7 +64,9 @@ class PassInputs:
     def _first_reads(self) -> tuple[dict[str, Any], bool, dict[str, Any], list[Any]] | None:
         """Records, whether reservations exist, live workers and leases, in one round trip
         where the store runs Lua (`pass_reads`); None when nothing waits or is reserved."""
-        reads = read_pass(self.store, self.book, self.leases, self.reservations.key)
+        assigned = list(self.ledger.entries)
+        reads = read_pass(self.store, self.book, self.leases, self.reservations.key, assigned)
+        self._starts = {} if reads is None else reads.started
         if reads is None:  # no Lua on the store: one read after another
             records, reserving = self.view.records(), self._any_reservations()
         else:
@@ -100,6 +104,13 @@ class PassInputs:
             self._jobs[key] = job
         record[_JOB] = job
         return job
+
+    def _started_at(self, task_ids: list[str]) -> dict[str, float | None]:
+        """`PendingBook.started_at`, from the pass's first reads where they hold the job."""
+        starts = self._starts
+        found = {t: starts[t] for t in task_ids if t in starts}
+        missing = [t for t in task_ids if t not in starts]
+        return found | self.book.started_at(missing) if missing else found
 
     def _any_reservations(self) -> bool:
         return bool(self.store.client.exists(self.reservations.key))

@@ -113,6 +113,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self.intake = intake_name(s.store_prefix)
         self.reservations = ReservationBook(self.store)
         self.ledger = Ledger()
+        self._starts: dict[str, float | None] = {}
         self.memo = Memo()
         self.caps: LRU[str, Capabilities] = LRU(4096)
         self.leading_since: float | None = None
@@ -255,7 +256,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
     ) -> list[WorkerState]:
         """The core's view of the live workers: reports, leases, assignments in flight."""
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
-        used = self.ledger.used(records, beats, allocated_ids(live), now, self.book.started_at)
+        used = self.ledger.used(records, beats, allocated_ids(live), now, self._started_at)
         return worker_states(
             live,
             leases,
@@ -293,7 +294,8 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
                     self._place(a.task_id[len(PREFIX) :], a.worker)
                     continue
                 plain.append((a.task_id, a.worker, records[a.task_id], jobs[a.task_id]))
-            self._deliver_all(plain, now)
+            notes, first_seen = self._changed_notes(decision)
+            self._deliver_all(plain, now, notes)  # the notes' writes ride its pipeline
             for d in decision.denials:
                 self._deny(d.task_id, records.get(d.task_id), d.note)
             for p in decision.preemptions:
@@ -302,7 +304,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
             if self.settings.prefetch:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, records, jobs, now)
-            self._annotate(decision)  # its events ride the same batch
+            self._waiting_events(first_seen)  # they ride the same batch
 
     def _place(self, rid: str, worker: str) -> None:
         """A reservation's placement: recorded (not published); the worker's gate holds it."""

@@ -35,7 +35,7 @@ def _fleet(store: OJSStore) -> tuple[PendingBook, LeaseBook, str]:
 
 def test_one_round_trip_gives_what_the_reads_one_by_one_give(store: OJSStore) -> None:
     book, leases, resv = _fleet(store)
-    reads = read_pass(store, book, leases, resv)
+    reads = read_pass(store, book, leases, resv, [])
     assert reads is not None
     assert reads.index == ["j0", "j1", "j2", "j3"]
     assert reads.changed == {"j1"}, "the assignment marked j1 changed"
@@ -51,11 +51,11 @@ def test_one_round_trip_gives_what_the_reads_one_by_one_give(store: OJSStore) ->
 def test_a_change_after_the_pass_read_is_read_at_the_next_pass(store: OJSStore) -> None:
     book, leases, resv = _fleet(store)
     view = PendingView(book)
-    first = read_pass(store, book, leases, resv)
+    first = read_pass(store, book, leases, resv, [])
     assert first is not None
     view.records((first.index, first.changed))
     assert book.give_back("j1", str(book.read(["j1"])["j1"]["token"]), "did not fit")
-    second = read_pass(store, book, leases, resv)
+    second = read_pass(store, book, leases, resv, [])
     assert second is not None and second.changed == {"j1"}
     assert view.records((second.index, second.changed))["j1"]["state"] == "pending"
 
@@ -67,11 +67,11 @@ def test_after_the_server_lost_the_script_the_pass_still_reads_everything(
     again one by one, which loads the script, so the next pass is one round trip again."""
     book, leases, resv = _fleet(store)
     redis_client.script_flush()
-    reads = read_pass(store, book, leases, resv)
+    reads = read_pass(store, book, leases, resv, [])
     assert reads is not None and reads.index
     assert set(reads.workers) == {"a@h", "b@h"} and len(reads.leases) == 1
     assert redis_client.script_exists(str(store.indexed_sha)) == [True]
-    again = read_pass(store, book, leases, resv)
+    again = read_pass(store, book, leases, resv, [])
     assert again is not None and json.dumps(again.leases) == json.dumps(leases.all())
 
 
@@ -79,4 +79,16 @@ def test_a_store_without_lua_reads_one_by_one() -> None:
     store = OJSStore(fakeredis.FakeRedis(), prefix="t")
     book, leases, resv = _fleet(store)
     store.live_workers()  # the first script call finds no Lua and remembers it
-    assert read_pass(store, book, leases, resv) is None
+    assert read_pass(store, book, leases, resv, []) is None
+
+
+def test_the_start_times_of_assigned_jobs_ride_the_same_round_trip(store: OJSStore) -> None:
+    """`Ledger.used` asks when the jobs it saw assigned started: read with the pass."""
+    book, leases, resv = _fleet(store)
+    token = book.assign("j2", "b@h", now=2.0)
+    assert token is not None and book.start("j2", token, "b@h") == "ok"
+    reads = read_pass(store, book, leases, resv, ["j1", "j2", "gone"])
+    assert reads is not None
+    assert reads.started == book.started_at(["j1", "j2", "gone"])
+    assert reads.started["j1"] is None and reads.started["gone"] is None
+    assert isinstance(reads.started["j2"], float)

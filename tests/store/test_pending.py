@@ -6,6 +6,7 @@ scheduler lock is a `SET NX PX` that only its holder renews.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -677,3 +678,40 @@ def test_assign_many_without_lua_scripting_decides_exactly_as_the_script(
     items = [("a", "w1@host", "tok-a", ("ojs-test-list", b"msg-a")), ("b", "w1@host", "t", None)]
     assert book.assign_many(items, now=1.0) == ["tok-a", None]
     assert redis_client.lrange("ojs-test-list", 0, -1) == [b"msg-a"]
+
+
+def test_assign_many_writes_the_pass_annotations_in_the_same_pipeline_without_script_exists(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    """No `SCRIPT EXISTS` round trip per pass (redis-py's pipelined Script asks it): the
+    assignments go out as bare EVALSHA, with the notes of the jobs left waiting."""
+    for task_id in ("a", "b", "c"):
+        _admitted(book, task_id)
+    book.assign("x-load", "w1@host", now=0.0)  # the server holds the script now
+    before = redis_client.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+    notes = {"b": ("no worker has 1 GPU free", 99.0, "w1@host")}
+    items = [("a", "w1@host", "tok-a", None), ("c", "w2@host", "tok-c", None)]
+    assert book.assign_many(items, now=5.0, notes=notes) == ["tok-a", "tok-c"]
+    after = redis_client.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+    assert after == before
+    record = book.get("b")
+    assert record is not None and record["state"] == "pending"
+    assert json.loads(redis_client.hget(book._key("b"), "annotation") or b"{}") == {
+        "reason_pending": "no worker has 1 GPU free",
+        "t_estimate": 99.0,
+        "worker": "w1@host",
+    }
+
+
+def test_assign_many_after_the_server_lost_the_script_assigns_every_job(
+    book: PendingBook, redis_client: redis.Redis
+) -> None:
+    """SCRIPT FLUSH (a restart): the pipeline's EVALSHAs fail; each job is assigned again
+    through the script, which loads it, and none is lost or assigned twice."""
+    for task_id in ("a", "b"):
+        _admitted(book, task_id)
+    redis_client.script_flush()
+    items = [("a", "w1@host", "tok-a", None), ("b", "w2@host", "tok-b", None)]
+    assert book.assign_many(items, now=3.0) == ["tok-a", "tok-b"]
+    assert [book.get(t)["token"] for t in ("a", "b")] == ["tok-a", "tok-b"]  # type: ignore[index]
+    assert book.assign_many(items, now=4.0) == [None, None], "a second assignment is refused"
