@@ -31,6 +31,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _admit_args(jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], now: str) -> list[Any]:
+    """The ADMIT script's arguments (`pending_scripts.ADMIT`)."""
+    args: list[Any] = [now, _SEEN]
+    for task_id, meta, msg in jobs:
+        msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
+        score = float(meta.get("submitted_at") or 0.0)
+        msg_id = msg_id if isinstance(msg_id, str) else ""
+        args += [task_id, json.dumps(msg), json.dumps(meta), msg_id, repr(score)]
+    return args
+
+
 class Admitting:
     """`admit` and `admit_many` (see module doc)."""
 
@@ -66,12 +77,44 @@ class Admitting:
         fresh = self._admit_lua(jobs, keys, now)
         if fresh is None:
             fresh = self._admit_watched(jobs, keys, now)
+        self._admitted(jobs, fresh, now)
+        return fresh
+
+    def admit_in(
+        self, pipe: Any, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]
+    ) -> Callable[[Any], list[bool]] | None:
+        """Queue `admit_many(jobs)` on `pipe` (the leader's pass reads carry it, so the
+        reads after it see the jobs); the function returned takes its reply. None where
+        the store runs no Lua: admit them with `admit_many` instead.
+
+        Where the server does not hold the script (its first use, a restart) the
+        function admits them with `admit_many`, which loads it."""
+        if self._admit_script is None or not jobs:
+            return None
+        keys = [self._key(task_id) for task_id, _, _ in jobs]
+        now = repr(self.store._clock())
+        args = _admit_args(jobs, now)
+        pipe.evalsha(self._admit_script.sha, len(keys) + 1, self._index, *keys, *args)
+
+        def finish(reply: Any) -> list[bool]:
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                return self.admit_many(jobs)
+            if isinstance(reply, Exception):
+                raise reply
+            fresh = [bool(x) for x in reply]
+            self._admitted(jobs, fresh, now)
+            return fresh
+
+        return finish
+
+    def _admitted(
+        self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], fresh: list[bool], now: str
+    ) -> None:
         for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
             if ok:  # the leader's next pass needs no read of what it just wrote
                 self._msgs[(task_id, now)] = msg
                 record = {"state": PENDING, "meta": meta, "admitted_at": now, "msg": msg}
                 self.on_admit(task_id, record)
-        return fresh
 
     def _admit_lua(
         self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], keys: list[str], now: str
@@ -79,12 +122,7 @@ class Admitting:
         """`admit_many` in one round trip; None where the store runs no Lua."""
         if self._admit_script is None:
             return None
-        args: list[Any] = [now, _SEEN]
-        for task_id, meta, msg in jobs:
-            msg_id = (msg.get("headers") or {}).get(HEADER_MSG)
-            score = float(meta.get("submitted_at") or 0.0)
-            msg_id = msg_id if isinstance(msg_id, str) else ""
-            args += [task_id, json.dumps(msg), json.dumps(meta), msg_id, repr(score)]
+        args = _admit_args(jobs, now)
         try:
             return [bool(x) for x in self._admit_script(keys=[self._index, *keys], args=args)]
         except (redis.ConnectionError, redis.TimeoutError):

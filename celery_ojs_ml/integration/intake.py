@@ -17,6 +17,7 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kombu import Consumer, Producer  # type: ignore[attr-defined]
@@ -91,6 +92,25 @@ class Intake:
         self.book.admit_many([(task_id, meta, msg) for task_id, meta, msg, _ in batch])
         for *_, message in batch:  # acked only once stored: a crash before redelivers them
             message.ack()
+
+    def _admission(self, pipe: Any) -> Callable[[Any], None] | None:
+        """Queue the drained jobs' admission at the head of the pass's first reads
+        (`pass_reads`): the reads after it see them, and the leader's hop from intake
+        to assignment is a round trip shorter. The function returned takes its reply
+        and acks the messages; None (nothing queued) where the store runs no Lua."""
+        batch = self._intake
+        jobs = [(task_id, meta, msg) for task_id, meta, msg, _ in batch]
+        finish = self.book.admit_in(pipe, jobs) if batch else None
+        if finish is None:
+            return None
+        self._intake = []
+
+        def done(reply: Any) -> None:
+            finish(reply)
+            for *_, message in batch:  # acked only once stored: a crash before redelivers
+                message.ack()
+
+        return done
 
     def _settle(self) -> None:
         """Take the acked messages off the Redis intake's processing list."""

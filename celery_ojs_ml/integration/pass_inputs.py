@@ -56,6 +56,9 @@ class PassInputs:
     _holds: dict[str, BudgetHold]
     ledger: Ledger
     _starts: dict[str, float | None]
+    _intake: list[Any]
+    _admit: Callable[[], None]
+    _admission: Callable[[Any], Callable[[Any], None] | None]
     _jobs: LRU[tuple[str, str, str], PendingJob | None]
     _full_pass_at: float
     _dirty: bool
@@ -65,8 +68,13 @@ class PassInputs:
         """Records, whether reservations exist, live workers and leases, in one round trip
         where the store runs Lua (`pass_reads`); None when nothing waits or is reserved."""
         assigned = list(self.ledger.entries)
-        reads = read_pass(self.store, self.book, self.leases, self.reservations.key, assigned)
+        reads = read_pass(
+            self.store, self.book, self.leases, self.reservations.key, assigned, self._admission
+        )
         self._starts = {} if reads is None else reads.started
+        if self._intake:  # not admitted with the reads (no Lua): now, and pass again soon
+            self._admit()
+            self._dirty = self._dirty or reads is not None
         if reads is None:  # no Lua on the store: one read after another
             records, reserving = self.view.records(), self._any_reservations()
         else:

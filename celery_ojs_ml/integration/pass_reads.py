@@ -56,22 +56,28 @@ def read_pass(
     leases: LeaseBook,
     reservations_key: str,
     assigned: list[str],
+    before: Callable[[Any], Callable[[Any], None] | None] | None = None,
 ) -> PassReads | None:
     """The pass's first reads in one pipeline, with the start times of the jobs in
-    `assigned`; None where the store runs no Lua."""
+    `assigned`; None where the store runs no Lua. `before` may queue a command ahead
+    of the reads (the intake's admission) and return what takes its reply."""
     sha = store.indexed_sha
     if sha is None:
         return None
     index, prefix, cutoff = store.live_read("worker")
     lease_index, lease_prefix = leases.index_read()
     with store.client.pipeline(transaction=False) as pipe:
+        first = before(pipe) if before is not None else None
         pipe.zrange(book.index_key, 0, -1)
         pipe.spop(book.changed_key, _POP_ALL)
         pipe.exists(reservations_key)
         pipe.evalsha(sha, 1, index, cutoff, prefix)
         pipe.evalsha(sha, 1, lease_index, "", lease_prefix)
         book.read_started(pipe, assigned)
-        ids, changed, exists, workers, found, *starts = pipe.execute(raise_on_error=False)
+        replies = pipe.execute(raise_on_error=False)
+    if first is not None:
+        first(replies.pop(0))
+    ids, changed, exists, workers, found, *starts = replies
     for reply in (ids, changed, exists, *starts):
         if isinstance(reply, Exception):
             raise reply

@@ -214,8 +214,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         if gap > 0:
             self._stop.wait(gap)
         self._read(0 if self._dirty else wait_s, _ADMIT_BATCH)
-        self._admit()
-        began = time.monotonic()
+        began = time.monotonic()  # the pass admits what was read, with its first reads
         decision = self.schedule_once()
         self._last_pass = time.monotonic()
         self._settle()  # after the pass: the admitted jobs are in the store already

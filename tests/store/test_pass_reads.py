@@ -92,3 +92,42 @@ def test_the_start_times_of_assigned_jobs_ride_the_same_round_trip(store: OJSSto
     assert reads.started == book.started_at(["j1", "j2", "gone"])
     assert reads.started["j1"] is None and reads.started["gone"] is None
     assert isinstance(reads.started["j2"], float)
+
+
+def _admission(book: PendingBook, jobs: list[str], acked: list[list[bool]]) -> Any:
+    def before(pipe: Any) -> Any:
+        finish = book.admit_in(pipe, [(t, {"submitted_at": 9.0}, _msg(t)) for t in jobs])
+        assert finish is not None
+        return lambda reply: acked.append(finish(reply))
+
+    return before
+
+
+def test_the_intakes_admission_rides_ahead_of_the_reads_which_see_the_jobs(
+    store: OJSStore,
+) -> None:
+    """The leader's hop from intake to assignment: admission and first reads, one trip."""
+    book, leases, resv = _fleet(store)
+    acked: list[list[bool]] = []
+    reads = read_pass(store, book, leases, resv, [], _admission(book, ["n1", "j0"], acked))
+    assert reads is not None and acked == [[True, False]], "j0 was admitted before"
+    assert reads.index == ["j0", "j1", "j2", "j3", "n1"]
+    record = book.get("n1")
+    assert record is not None and record["state"] == "pending"
+    assert record["msg"] == _msg("n1")
+
+
+def test_an_admission_the_server_has_no_script_for_is_admitted_all_the_same(
+    store: OJSStore, redis_client: redis.Redis
+) -> None:
+    """SCRIPT FLUSH: the admission's EVALSHA fails, so it is admitted through the script,
+    which loads it; nothing is lost and the job is there for the next pass."""
+    book, leases, resv = _fleet(store)
+    redis_client.script_flush()
+    acked: list[list[bool]] = []
+    reads = read_pass(store, book, leases, resv, [], _admission(book, ["n2"], acked))
+    assert reads is not None and acked == [[True]]
+    record = book.get("n2")
+    assert record is not None and record["state"] == "pending"
+    again = read_pass(store, book, leases, resv, [])
+    assert again is not None and "n2" in again.index
