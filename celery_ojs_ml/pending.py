@@ -141,16 +141,20 @@ class PendingBook(Admitting, LeaderLock, Reading):
         items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
         now: float,
         notes: Mapping[str, tuple[str, float | None, str | None]] | None = None,
+        also: Callable[[Any], None] | None = None,
     ) -> list[str | None]:
         """`assign` of (task id, worker, token, push) each, and `annotate(notes)`, in one
         pipeline where the store runs Lua; each item's token, or None where the job was
-        not pending any more.
+        not pending any more. `also` may queue more commands on that pipeline (it is
+        not called where there is none).
 
         The script goes out as a bare `EVALSHA`: redis-py's pipelined `Script` asks
         `SCRIPT EXISTS` first, a round trip of its own on every pass. Where the server
         does not hold the script (its first use, a restart) those items are assigned
         again one by one, which loads it."""
-        replies = None if self._assign_script is None else self._assign_pipelined(items, now, notes)
+        replies = (
+            None if self._assign_script is None else self._assign_pipelined(items, now, notes, also)
+        )
         if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
             replies = [_NO_SCRIPTING[0]("no pipeline")] * len(items)
             self.annotate(notes or {})
@@ -171,6 +175,7 @@ class PendingBook(Admitting, LeaderLock, Reading):
         items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
         now: float,
         notes: Mapping[str, tuple[str, float | None, str | None]] | None,
+        also: Callable[[Any], None] | None,
     ) -> list[Any] | None:
         """`assign_many`'s pipeline: each item's reply (or error), then the notes'; None
         where the store runs no Lua."""
@@ -182,6 +187,8 @@ class PendingBook(Admitting, LeaderLock, Reading):
                     keys, args = self._assign_call(task_id, worker, token, fields, push)
                     pipe.evalsha(sha, len(keys), *keys, *args)
                 self._annotations(pipe, notes or {})
+                if also is not None:
+                    also(pipe)
                 return list(pipe.execute(raise_on_error=False))
         except (redis.ConnectionError, redis.TimeoutError):
             raise

@@ -18,6 +18,7 @@ import base64
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,7 @@ class Delivery:
     reservations: ReservationBook
     _producer: Any
     _direct: Any
+    _reliable: Any
     """The broker channel whose lists the leader pushes deliveries onto itself
     (`redis_intake.direct_channel`); None: publish through kombu."""
     _events: Any
@@ -124,10 +126,16 @@ class Delivery:
         assignment calls and the notes' writes in one pipeline."""
         outs = [self._outgoing(t, w, record, (), False) for t, w, record, _ in items]
         items_out = [(o.task_id, o.worker, o.token, o.push) for o in outs]
-        tokens = self.book.assign_many(items_out, now, notes)
+        tokens = self.book.assign_many(items_out, now, notes, self._settle_in())
         for out, token, item in zip(outs, tokens, items, strict=True):
             if token is not None:
                 self._sent(out, item[3], now)
+
+    def _settle_in(self) -> Callable[[Any], None] | None:
+        """With the store on the broker's Redis (`_direct`), the intake messages admitted
+        so far are settled in the assignments' pipeline (`RedisIntake.done_in`)."""
+        reliable = self._reliable
+        return reliable.done_in if reliable is not None and self._direct is not None else None
 
     def _outgoing(
         self,

@@ -94,6 +94,27 @@ def test_what_a_reader_took_and_did_not_settle_is_recovered_by_the_next_one_in_o
     assert redis_client.llen(QUEUE) == 0
 
 
+def test_settling_in_the_leaders_assignment_pipeline_takes_only_acked_messages_off(
+    channel: object, redis_client: redis.Redis
+) -> None:
+    """With the store on the broker's Redis the leader settles the admitted messages in
+    its assignments' pipeline (`done_in`): one round trip fewer per pass."""
+    for n in range(3):
+        _publish(channel, f"job-{n}")
+    reader = RedisIntake(channel, QUEUE, batch=3)
+    taken = reader.pop(0.0)
+    taken[0].ack()
+    taken[2].ack()
+    with redis_client.pipeline(transaction=False) as pipe:
+        reader.done_in(pipe)
+        assert len(pipe.command_stack) == 2
+        pipe.execute()
+    assert reader.settled == []
+    reader.close()  # as if killed: job-1 was never settled
+    again = RedisIntake(channel, QUEUE, batch=3)
+    assert [m.headers["id"] for m in again.recover()] == ["job-1"]
+
+
 def test_a_blocked_read_returns_a_message_published_meanwhile_and_an_empty_one_returns_none(
     channel: object, redis_url: str
 ) -> None:
