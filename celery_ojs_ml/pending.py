@@ -156,8 +156,8 @@ class PendingBook(Admitting, LeaderLock, Reading):
             None if self._assign_script is None else self._assign_pipelined(items, now, notes, also)
         )
         if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
-            replies = [_NO_SCRIPTING[0]("no pipeline")] * len(items)
             self.annotate(notes or {})
+            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
         tokens: list[str | None] = []
         for (task_id, worker, token, push), ok in zip(items, replies, strict=False):
             if isinstance(ok, _NO_SCRIPTING):  # the server does not hold the script: it loads it

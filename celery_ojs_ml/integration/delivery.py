@@ -75,9 +75,10 @@ class Delivery:
     reservations: ReservationBook
     _producer: Any
     _direct: Any
-    _reliable: Any
     """The broker channel whose lists the leader pushes deliveries onto itself
     (`redis_intake.direct_channel`); None: publish through kombu."""
+    _reliable: Any
+    """The Redis intake (`intake.Intake`); None on other brokers."""
     _events: Any
     """The leader's event dispatcher (`_event`); None until the first event."""
     _declared: set[str]
