@@ -114,10 +114,16 @@ class PassInputs:
         return job
 
     def _started_at(self, task_ids: list[str]) -> dict[str, float | None]:
-        """`PendingBook.started_at`, from the pass's first reads where they hold the job."""
+        """`PendingBook.started_at`, from the pass's first reads where they show a start.
+
+        A job those reads show not started is read again: they precede the reads of the
+        changed records (`PendingView`), so a gate may have started it in between; the
+        records then show it started while the first reads have no start time, and
+        falling back to the last pass that saw it assigned would drop it from the
+        ledger before the worker's heartbeat shows it (its GPUs assigned twice)."""
         starts = self._starts
-        found = {t: starts[t] for t in task_ids if t in starts}
-        missing = [t for t in task_ids if t not in starts]
+        found = {t: at for t in task_ids if (at := starts.get(t)) is not None}
+        missing = [t for t in task_ids if t not in found]
         return found | self.book.started_at(missing) if missing else found
 
     def _any_reservations(self) -> bool:

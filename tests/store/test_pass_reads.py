@@ -9,7 +9,10 @@ from typing import Any
 import fakeredis
 import redis
 
+from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.integration.fleet_view import Ledger
 from celery_ojs_ml.integration.leases import LeaseBook
+from celery_ojs_ml.integration.pass_inputs import PassInputs
 from celery_ojs_ml.integration.pass_reads import read_pass
 from celery_ojs_ml.integration.reservations import ReservationBook
 from celery_ojs_ml.pending import PendingBook
@@ -131,3 +134,42 @@ def test_an_admission_the_server_has_no_script_for_is_admitted_all_the_same(
     assert record is not None and record["state"] == "pending"
     again = read_pass(store, book, leases, resv, [])
     assert again is not None and "n2" in again.index
+
+
+def test_a_job_started_between_the_first_reads_and_the_record_reads_keeps_its_gpus(
+    store: OJSStore,
+) -> None:
+    """The first reads take the ledger's start times before the view reads the changed
+    records: a gate that starts the job in between leaves a record that says started
+    and a start time that says not. The leader reads the start again, so the ledger
+    keeps the job's GPUs until a heartbeat newer than its start (before the fix it fell
+    back to the last pass that saw the job assigned, dropped the job from the ledger on
+    an older heartbeat and assigned its GPU twice: the gate gave one job back)."""
+    book, leases, resv = _fleet(store)
+    view = PendingView(book)
+    ledger = Ledger()
+    ledger.assigned("j1", "a@h", Demand(gpus=1), now=1.0)
+    ledger.used({"j1": {"state": "assigned", "worker": "a@h"}}, {"a@h": 0.5}, {}, now=1.0)
+    first = read_pass(store, book, leases, resv, ["j1"])
+    assert first is not None and first.started == {"j1": None}, "read before the gate's start"
+    assert "j1" in first.changed, "its assignment marked it changed: the view reads it again"
+    token = str(book.read(["j1"])["j1"]["token"])
+    assert book.start("j1", token, "a@h") == "ok"  # the gate starts it now
+    records = view.records((first.index, first.changed))
+    assert records.get("j1") is None, "the record reads show it has left the assigned state"
+    inputs = _Inputs(book, first.started)
+    started_at = float(book.started_at(["j1"])["j1"] or 0.0)
+    heartbeat = (1.0 + started_at) / 2  # newer than the last sighting, older than the start
+    used = ledger.used(records, {"a@h": heartbeat}, {}, started_at, inputs._started_at)
+    assert used == {"a@h": Demand(gpus=1)}, "its GPU is still counted"
+    assert (
+        ledger.used(records, {"a@h": started_at + 1}, {}, started_at + 1, inputs._started_at) == {}
+    )
+
+
+class _Inputs(PassInputs):
+    """The leader's pass inputs over a real pending book, with a pass's first reads."""
+
+    def __init__(self, book: PendingBook, starts: dict[str, float | None]) -> None:
+        self.book = book
+        self._starts = starts
