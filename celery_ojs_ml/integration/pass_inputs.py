@@ -87,12 +87,13 @@ class PassInputs:
 
     def _pass_policy(self) -> Policy:
         """The full policy every `ojs_ml_full_pass_s`; between, only the first
-        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`)."""
+        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`), and
+        none after the first from which every job can only wait (`Policy.settle`)."""
         at = time.monotonic()
         if at - self._full_pass_at >= self.settings.full_pass_s:
             self._full_pass_at = at
             return self.policy
-        return replace(self.policy, queue_depth=self.settings.queue_depth)
+        return replace(self.policy, queue_depth=self.settings.queue_depth, settle=True)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
         """The core's view of a waiting record, parsed once per admission and priority, and
@@ -122,7 +123,9 @@ class PassInputs:
         falling back to the last pass that saw it assigned would drop it from the
         ledger before the worker's heartbeat shows it (its GPUs assigned twice)."""
         starts = self._starts
-        found = {t: at for t in task_ids if (at := starts.get(t)) is not None}
+        found: dict[str, float | None] = {
+            t: at for t in task_ids if (at := starts.get(t)) is not None
+        }
         missing = [t for t in task_ids if t not in found]
         return found | self.book.started_at(missing) if missing else found
 

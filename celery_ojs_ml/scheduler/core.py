@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
@@ -62,6 +63,7 @@ from celery_ojs_ml.scheduler.pools import (
 )
 from celery_ojs_ml.scheduler.preempt import Preemptor
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
+from celery_ojs_ml.scheduler.settle import lowest_band, may_settle
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
 from celery_ojs_ml.scheduler.vectors import sum_of
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -98,6 +100,8 @@ def schedule(
     planner.orders = orders
     planner.escalated = raised
     for job in ordered[: policy.queue_depth]:
+        if planner.settled(job):
+            break  # this job and every one after it can only wait (`Policy.settle`)
         planner.decide(job)
     decision = planner.decision()
     inside = [j for j in jobs if j.req.ext_ml_reservation_id in held and j.gang is None]
@@ -180,6 +184,10 @@ class Planner:
         self._later = Preemptor(self.view, young)  # plans that wait for victims to age
         self._later_at: dict[tuple[str, str, str, str], float | None] = {}
         self._inflight = _inflight(self.view.slots)
+        self._settles = policy.settle and may_settle(policy, alike, self._inflight)
+        self._lowest = lowest_band(self.view.slots) if self._settles else 0
+        self._open: tuple[int, bool] = (-1, True)
+        """(assignments made when last checked, whether a worker had a free GPU then)."""
         self._assignments: list[Assignment] = []
         self._reservations: list[Reservation] = []
         self._preemptions: list[Preemption] = []
@@ -208,6 +216,24 @@ class Planner:
             self._await_victims(ask) or self._preempt(ask)
         ):
             self._reserve_or_estimate(ask)
+
+    def settled(self, job: PendingJob) -> bool:
+        """Whether `job` and every job after it in order can only wait (`Policy.settle`).
+
+        Every pending job needs whole GPUs (`settle.may_settle`) and no worker has one free,
+        so none can start or backfill; the reservations are all taken, so none
+        reserves; and nothing running is in a band below `job`'s, so neither it nor a
+        later job (fleet order puts bands first) can preempt. Free capacity only
+        shrinks during a pass, so the check is redone only after an assignment."""
+        if not self._settles or self._reserved < self.policy.reservation_depth:
+            return False
+        if rank(job.band) > self._lowest:
+            return False
+        made = len(self._assignments)
+        if self._open[0] != made:
+            free = any(s.state.available and s.free[0] >= 1 for s in self.view.slots)
+            self._open = (made, free)
+        return not self._open[1]
 
     def _assign(self, ask: Ask, slot: Slot, score: PlacementScore) -> None:
         self.view.assign(ask, slot)

@@ -217,6 +217,11 @@ class Policy:
     queue_depth: int | None = None
     """Decide only the first this many waiting jobs in (fair) order; None: all of them.
     The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""
+    settle: bool = False
+    """Stop the pass at the first job from which every job can only wait: no worker
+    has a free GPU, every reservation is taken and nothing running is preemptible by
+    it (`core.Planner.settled`). The live leader sets it with `queue_depth`; the jobs
+    left out keep their earlier annotations until the next full pass."""
 
     @classmethod
     def from_settings(cls, settings: object) -> Policy:

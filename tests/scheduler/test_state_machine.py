@@ -178,6 +178,25 @@ class FleetMachine(RuleBasedStateMachine):
             assert not {d.task_id for d in got} & rest, f"{name}: decided past the depth"
         assert not set(quick.annotations) & rest, "annotated past the depth"
 
+    @rule(depth=st.integers(1, 40))
+    def settled_pass_agrees(self, depth: int) -> None:
+        """`Policy.settle` (the live leader's quick passes): stopping where every job
+        left can only wait changes no start, reservation, preemption or denial of the
+        same pass without the stop; the jobs it left out are not annotated."""
+        sim = self.sim
+        kept = sim.policy
+        try:
+            sim.policy = replace(kept, queue_depth=depth)
+            whole = sim.decide()
+            sim.policy = replace(kept, queue_depth=depth, settle=True)
+            settled = sim.decide()
+        finally:
+            sim.policy = kept
+        for name in ("assignments", "reservations", "preemptions", "denials"):
+            got, want = set(getattr(settled, name)), set(getattr(whole, name))
+            assert got == want, f"{name}: the settled pass gave {got ^ want} differently"
+        assert set(settled.annotations) <= set(whole.annotations)
+
     def _reservations_kept(self, decision: Decision, inside: set[str]) -> None:
         """§8.3: inside jobs go to their reservation's worker only, and fit it."""
         sim = self.sim
