@@ -63,7 +63,7 @@ from celery_ojs_ml.scheduler.pools import (
 )
 from celery_ojs_ml.scheduler.preempt import Preemptor
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
-from celery_ojs_ml.scheduler.settle import lowest_band, may_settle
+from celery_ojs_ml.scheduler.settle import settling
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
 from celery_ojs_ml.scheduler.vectors import sum_of
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -184,10 +184,8 @@ class Planner:
         self._later = Preemptor(self.view, young)  # plans that wait for victims to age
         self._later_at: dict[tuple[str, str, str, str], float | None] = {}
         self._inflight = _inflight(self.view.slots)
-        self._settles = policy.settle and may_settle(policy, alike, self._inflight)
-        self._lowest = lowest_band(self.view.slots) if self._settles else 0
-        self._open: tuple[int, bool] = (-1, True)
-        """(assignments made when last checked, whether a worker had a free GPU then)."""
+        self._settles, self._lowest = settling(policy, alike, self._inflight, self.view.slots)
+        self._open = (-1, True)  # (assignments made when last checked, a GPU free then)
         self._assignments: list[Assignment] = []
         self._reservations: list[Reservation] = []
         self._preemptions: list[Preemption] = []

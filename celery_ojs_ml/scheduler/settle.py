@@ -38,3 +38,15 @@ def lowest_band(slots: Sequence[Slot]) -> int:
     it could preempt); above every band when none runs."""
     ranks = [rank(r.band) for s in slots for r in s.state.running if r.preemptible]
     return min(ranks, default=_ABOVE_EVERY_BAND)
+
+
+def settling(
+    policy: Policy,
+    alike: Sequence[tuple[PendingJob, int]],
+    inflight: Mapping[str, object],
+    slots: Sequence[Slot],
+) -> tuple[bool, int]:
+    """Whether the pass may stop early, and the lowest preemptible running band's rank."""
+    if not (policy.settle and may_settle(policy, alike, inflight)):
+        return False, 0
+    return True, lowest_band(slots)
