@@ -107,6 +107,10 @@ def test_a_one_gpu_job_goes_to_the_one_gpu_worker_and_an_eight_gpu_job_then_star
 def _best_fit_trial(
     record: Any, client: redis.Redis, store: OJSStore, trial: int
 ) -> tuple[dict[str, Any], dict[str, Any], float]:
+    # The previous trial's jobs have written their results, but their workers may not have
+    # freed their GPUs yet (the task body ends before the gate's release): best fit is
+    # about an idle 1-GPU worker, so wait until both report every GPU free.
+    _wait(lambda: _all_free(store, {"big@test": 8, "small@test": 1}), 20, "idle workers")
     small = record.apply_async(args=[f"small{trial}", 2.0], headers={"ext_ml_gpu_count": 1}).id
     _wait(lambda: _result(client, small) or _started(store, small), 20, "the 1-GPU job")
     sent = time.time()
@@ -114,6 +118,16 @@ def _best_fit_trial(
     done_big = _wait(lambda: _result(client, big), 20, "the 8-GPU job")
     done_small = _wait(lambda: _result(client, small), 20, "the 1-GPU job")
     return done_small, done_big, sent
+
+
+def _all_free(store: OJSStore, gpus: dict[str, int]) -> bool:
+    """True once each worker's heartbeat shows all of its GPUs free."""
+    live = store.live_workers()
+    for name, total in gpus.items():
+        counts = ((live.get(name) or {}).get("free") or {}).get("free") or {}
+        if counts.get("gpu_count") != total:
+            return False
+    return True
 
 
 def _started(store: OJSStore, task_id: str) -> bool:
