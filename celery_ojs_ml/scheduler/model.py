@@ -220,8 +220,8 @@ class Policy:
     settle: bool = False
     """Stop the pass at the first job from which every job can only wait: no worker
     has a free GPU, every reservation is taken and nothing running is preemptible by
-    it (`core.Planner.settled`). The live leader sets it with `queue_depth`; the jobs
-    left out keep their earlier annotations until the next full pass."""
+    it (`core.Planner.settled`); the jobs left out keep their earlier annotations. Meant
+    for the live leader's quick passes, which do not set it yet (docs/scheduling.md)."""
 
     @classmethod
     def from_settings(cls, settings: object) -> Policy:
