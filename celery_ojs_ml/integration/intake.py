@@ -58,6 +58,7 @@ class Intake:
     _producer: Any
     _events: Any
     _dirty: bool
+    _woken: bool
     _declared: set[str]
     _reliable: RedisIntake | None
 
@@ -83,6 +84,17 @@ class Intake:
                 return
             if len(self._intake) >= batch:
                 return
+
+    def _sit_out(self, gap_s: float, batch: int) -> None:
+        """Wait out the gap between two passes reading the intake; a worker's wake-up
+        (capacity freed, a job given back or started) ends it at once, arrivals do not."""
+        self._woken = False
+        deadline = time.monotonic() + gap_s
+        while not self._woken and len(self._intake) < batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._read(left, batch)
 
     def _admit(self) -> None:
         """Write the drained jobs to the pending set in one transaction, then ack them."""
@@ -155,6 +167,7 @@ class Intake:
         headers = dict(message.headers or {})
         self._dirty = True
         if HEADER_WAKE in headers:
+            self._woken = True
             message.ack()
             return
         task_id = headers.get("id")

@@ -119,6 +119,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self.leading_since: float | None = None
         self._stop = threading.Event()
         self._dirty = True
+        self._woken = False
         self._full_pass_at = -1e9
         self._declared: set[str] = set()
         self._notes: LRU[str, tuple[str, float | None]] = LRU(100_000)
@@ -203,16 +204,18 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         A pass that started or preempted nothing is followed by a gap of twice its
         cost (at most `_MIN_PASS_GAP_S`): under a stream of arrivals into a full
         fleet one pass then decides everything that came in meanwhile, instead of
-        one pass per job. A pass that started jobs is not: the capacity freed since
-        is the next jobs' to take, and the leader's time stays in proportion to the
-        jobs it starts (with the gap after each pass as well, a backlog draining onto
-        a worker left it idle a third of the time, `bench/dispatch.py`).
+        one pass per job. A worker's wake-up ends the gap (`_sit_out`): the capacity
+        it freed is not left idle for the rest of it. A pass that started jobs is
+        followed by no gap: the capacity freed since is the next jobs' to take, and
+        the leader's time stays in proportion to the jobs it starts (with the gap
+        after each pass as well, a backlog draining onto a worker left it idle a
+        third of the time, `bench/dispatch.py`).
         """
         self._connect()
         assert self._conn is not None
         gap = self._last_pass + self._gap_s - time.monotonic()
         if gap > 0:
-            self._stop.wait(gap)
+            self._sit_out(gap, _ADMIT_BATCH)
         self._read(0 if self._dirty else wait_s, _ADMIT_BATCH)
         began = time.monotonic()  # the pass admits what was read, with its first reads
         decision = self.schedule_once()

@@ -262,3 +262,41 @@ def test_a_delivery_pushed_by_the_leader_is_what_a_kombu_publish_pushes(
     for doc in (kombu_raw, ours):
         assert doc["properties"].pop("delivery_tag")
     assert ours == kombu_raw
+
+
+def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """The gap after a pass that started nothing batches arrivals into a full fleet; a
+    worker's wake-up (capacity freed) ends it, so the capacity is filled at once
+    (`FleetScheduler.step`, `Intake._sit_out`)."""
+    from celery_ojs_ml import OJSML
+    from celery_ojs_ml.integration.scheduling import FleetScheduler
+
+    app = Celery("gap", broker=redis_url, set_as_current=False)
+    OJSML(app)
+    leader = FleetScheduler(app, candidate="leader-under-test")
+    leader._connect()
+    try:
+        intake = leader.intake
+        assert intake == QUEUE
+        leader.step(0)  # the first pass: nothing waits
+        leader._last_pass, leader._gap_s = time.monotonic(), 0.3
+        with Connection(redis_url) as other:  # type: ignore[no-untyped-call]
+            _publish(other.channel(), "arrival-without-a-class")  # read, refused, not a wake
+        began = time.monotonic()
+        leader.step(0)
+        assert time.monotonic() - began >= 0.29, "an arrival does not end the gap"
+        assert not leader._woken
+        assert redis_client.llen(intake) == 0, "the arrival was read during the gap"
+        OJSStore(redis_client, prefix="ojs").advertise(
+            "w@host", {}, {}, push=(intake, redis_intake.wake_message("w@host"))
+        )
+        leader._last_pass, leader._gap_s = time.monotonic(), 30.0
+        began = time.monotonic()
+        leader.step(0)
+        assert leader._woken
+        assert time.monotonic() - began < 10.0, "the wake-up ended a 30 s gap"
+    finally:
+        leader._close()
+        app.close()
