@@ -80,6 +80,8 @@ class Delivery:
     _reliable: Any
     """The Redis intake (`intake.Intake`); None on other brokers."""
     _events: Any
+    _task_events: bool
+    """Whether a live worker sends task events (its advertisement's `task_events`)."""
     """The leader's event dispatcher (`_event`); None until the first event."""
     _declared: set[str]
     _prefetched: dict[str, str]
@@ -223,7 +225,11 @@ class Delivery:
 
     def _event(self, kind: str, fields: dict[str, Any]) -> None:
         """Send an `ojs-*` event through the leader's producer: inside a pass's publish
-        batch it rides the batch's one round trip (kombu >= 5.7 on Redis)."""
+        batch it rides the batch's one round trip (kombu >= 5.7 on Redis). Only while
+        some live worker sends task events (`-E`, or Flower's `enable_events`): as the
+        workers' own events, none are built when nobody asked for them."""
+        if not self._task_events:
+            return
         if self._producer is None:
             with self.app.events.default_dispatcher() as dispatcher:
                 dispatcher.send(kind, **fields)

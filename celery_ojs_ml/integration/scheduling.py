@@ -129,6 +129,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         self._producer: Any = None
         self._direct: Any = None
         self._events: Any = None
+        self._task_events = False
         self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
         """Admissions read from the intake, written in one batch after the drain."""
@@ -232,6 +233,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         if first is None:
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         records, reserving, live, leases = first
+        self._task_events = any((e.get("info") or {}).get("task_events") for e in live.values())
         self._take_back(records, live, now)
         fleet = self._fleet(records, live, leases, now)
         waiting = self._waiting(records, now)

@@ -39,6 +39,21 @@ def nvlink_peers_for(value: str | None, caps: Capabilities) -> list[frozenset[in
     return advertised_peers()
 
 
+def task_events_on(consumer: Any) -> bool:
+    """Whether this worker sends task events now: started with `-E` or
+    `worker_send_task_events`, or switched on since by the `enable_events` control
+    command (Flower sends it). Celery 5.7's consumer keeps an `EventDispatcher` whose
+    `groups` is None (every group) or holds "task" then; with task events off it is
+    {"worker"}, and it drops the worker's own `ojs-*` events too
+    (`test_waiting_events_follow_the_workers_task_events_and_flowers_enable_events` in
+    tests/integration/test_worker.py fails if that changes)."""
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    if dispatcher is None or not getattr(dispatcher, "enabled", False):
+        return False
+    groups = getattr(dispatcher, "groups", None)
+    return groups is None or "task" in groups
+
+
 def is_prefork(pool: Any) -> bool:
     """Whether a pool (class, instance or name) is billiard's prefork pool."""
     if pool is None:

@@ -7,6 +7,7 @@ themselves recorded while they ran.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -22,6 +23,7 @@ from celery_ojs_ml.capabilities import resolve_capabilities
 from celery_ojs_ml.errors import UnsatisfiableError
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.matching import match
+from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
@@ -236,9 +238,10 @@ def test_inspect_stats_and_the_status_command_show_capabilities_and_allocations(
 def test_a_job_no_live_worker_can_run_waits_with_a_pending_record_and_event(
     app: Celery, redis_url: str, redis_client: redis.Redis, ojs_store: OJSStore, tmp_path: Path
 ) -> None:
-    """OJS ML §7.2 / RFC 27 ANNOTATE: the job waits, with the formatted reason."""
+    """OJS ML §7.2 / RFC 27 ANNOTATE: the job waits, with the formatted reason (the event
+    goes out while task events are on: `-E`)."""
     events: list[dict[str, Any]] = []
-    with running([_worker("b", redis_url, tmp_path)], ojs_store):
+    with running([_worker("b", redis_url, tmp_path, extra_args=("-E",))], ojs_store):
         ready = threading.Event()
         listener = threading.Thread(target=_capture, args=(app, events, ready), daemon=True)
         listener.start()
@@ -253,6 +256,75 @@ def test_a_job_no_live_worker_can_run_waits_with_a_pending_record_and_event(
     assert "nvidia-b200" in record["reason"]
     assert [e["uuid"] for e in events] == [result.id]
     assert events[0]["reason"] == record["reason"]
+
+
+def test_waiting_events_follow_the_workers_task_events_and_flowers_enable_events(
+    app: Celery, redis_url: str, ojs_store: OJSStore, tmp_path: Path
+) -> None:
+    """Without `-E` the leader sends no `ojs-resource-waiting` event for a job waiting for
+    busy capacity (its pending record still says why it waits); after the
+    `enable_events` control command (what Flower sends) the worker advertises task events
+    and the next job that waits gets one. Pins Celery's consumer event dispatcher
+    (`worker_setup.task_events_on`)."""
+    record = app.tasks["ml.record"]
+    with running([_worker("b", redis_url, tmp_path)], ojs_store):
+        assert ojs_store.live_workers()["b@test"]["info"]["task_events"] is False
+        record.apply_async(args=["busy", 8.0])  # the worker's one GPU
+        _wait_started(ojs_store, 1)
+        with _listening(app) as quiet:
+            first = record.apply_async(args=["quiet"])
+            _wait_reason(ojs_store, first.id)
+            time.sleep(1.5)  # passes annotate it meanwhile
+        assert [e for e in quiet if e.get("uuid") == first.id] == []
+        app.control.enable_events(destination=["b@test"])
+        deadline = time.monotonic() + 10
+        while not ojs_store.live_workers()["b@test"]["info"]["task_events"]:
+            assert time.monotonic() < deadline, "the worker never advertised task events"
+            time.sleep(0.1)
+        with _listening(app) as heard:
+            second = record.apply_async(args=["heard"])
+            _wait_reason(ojs_store, second.id)
+            time.sleep(1.5)
+    waiting = [e for e in heard if e.get("uuid") == second.id]
+    assert len(waiting) == 1 and waiting[0]["reason"], heard
+
+
+@contextlib.contextmanager
+def _listening(app: Celery) -> Iterator[list[dict[str, Any]]]:
+    """Collect `ojs-resource-waiting` events while the block runs."""
+    events: list[dict[str, Any]] = []
+    receivers: list[Any] = []
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            receiver = app.events.Receiver(conn, handlers={"ojs-resource-waiting": events.append})
+            receivers.append(receiver)
+            receiver.capture(limit=None, timeout=None, wakeup=False)  # until should_stop
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the receiver's queue is bound
+    try:
+        yield events
+    finally:
+        for receiver in receivers:
+            receiver.should_stop = True
+        thread.join(5)
+
+
+def _wait_started(store: OJSStore, count: int) -> None:
+    deadline = time.monotonic() + 15
+    while len(LeaseBook(store, 30).all()) < count:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.05)
+
+
+def _wait_reason(store: OJSStore, task_id: str) -> None:
+    book = PendingBook(store)
+    deadline = time.monotonic() + 10
+    while not ((book.get(task_id) or {}).get("annotation") or {}).get("reason_pending"):
+        assert time.monotonic() < deadline, f"{task_id} was never annotated"
+        time.sleep(0.05)
 
 
 def _capture(app: Celery, events: list[dict[str, Any]], ready: threading.Event) -> None:
