@@ -190,10 +190,11 @@ class PassInputs:
             return False
 
     @staticmethod
-    def _cooling(record: dict[str, Any], now: float) -> bool:
-        """Just given or taken back: sit out `_RETURN_BACKOFF_S`, so a job the leader's view
-        and a gate disagree on cannot bounce between them on every pass."""
-        return now - float(record.get("returned_at") or 0.0) < _RETURN_BACKOFF_S
+    def _cooled_at(record: dict[str, Any]) -> float:
+        """When a job just given or taken back may start again: it sits out
+        `_RETURN_BACKOFF_S`, so a job the leader's view and a gate disagree on cannot
+        bounce between them on every pass."""
+        return float(record.get("returned_at") or 0.0) + _RETURN_BACKOFF_S
 
     def _inflight(
         self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any

@@ -12,7 +12,7 @@ Key decisions:
   run it: each pass takes back (fenced by its token) every prefetched job that
   has not started when a worker other than its holder can start it now, with
   the capacity the pass left there. It is placed again in the next pass,
-  without the back-off of a job a gate gave back (`_cooling`).
+  without the back-off of a job a gate gave back (`_cooled_at`).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class Prefetching:
         for r in decision.reservations:
             job = jobs.get(r.task_id)
             if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
+                continue
+            if job.not_before > now:  # sitting out a give-back: not sent back at once
                 continue
             if waiting.get(r.worker, 0) >= self.settings.prefetch:
                 continue

@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
@@ -273,13 +274,17 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs):
         )
 
     def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
-        """The pending records the pass decides (not those sitting out a give-back)."""
+        """The pending records the pass decides. One sitting out a give-back keeps its place
+        in order, with no start before the back-off ends (`PendingJob.not_before`)."""
         waiting: list[PendingJob] = []
         for task_id, record in records.items():
-            if record.get("state") == "pending" and not self._cooling(record, now):
-                job = self._pending_job(task_id, record)
-                if job is not None:
-                    waiting.append(job)
+            if record.get("state") != "pending":
+                continue
+            job = self._pending_job(task_id, record)
+            if job is None:
+                continue
+            until = self._cooled_at(record)
+            waiting.append(replace(job, not_before=until) if until > now else job)
         return waiting
 
     def _carry_out(

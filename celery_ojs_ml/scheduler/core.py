@@ -205,6 +205,9 @@ class Planner:
             waiting.reason = over
             self._waiting.append(waiting)
             return
+        if job.not_before > self.now:  # sitting out a back-off: its place, not a start
+            self._reserve_or_estimate(ask)
+            return
         found = self.view.fit_now(ask)
         if found is not None:
             self._assign(ask, *found)

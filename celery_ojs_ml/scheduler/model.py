@@ -59,6 +59,10 @@ class PendingJob:
     gang_size: int = 1
     """How many ranks the gang has; all are placed at once on distinct workers, or none."""
     rank: int = 0
+    not_before: float = 0.0
+    """Earliest start, scheduler clock: a job given or taken back sits out a back-off. It
+    keeps its place in order and takes a reservation meanwhile, so no later job that would
+    delay it backfills onto the capacity it is waiting for."""
 
     def __post_init__(self) -> None:
         if self.gpu_affinity not in GPU_AFFINITIES:

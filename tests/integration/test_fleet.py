@@ -145,8 +145,9 @@ def test_a_four_gpu_job_under_a_stream_of_one_gpu_jobs_starts_within_their_time_
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     """Reservation plus backfill (RFC 27, Slurm): the small jobs' limit is 2 s, so once the
-    4-GPU job is first in order no new small job may start on its GPUs (each would end after
-    the reserved start), and it starts at most 2 s (+ slack) after it was submitted."""
+    4-GPU job is first in order (the small jobs published before it have started) no new
+    small job may start on its GPUs (each would end after the reserved start), and it
+    starts at most 2 s (+ slack) after that; from its submission, at most two limits."""
     limit_s = 2
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
@@ -166,6 +167,7 @@ def test_a_four_gpu_job_under_a_stream_of_one_gpu_jobs_starts_within_their_time_
             top_up()
             time.sleep(0.1)
         sent = time.time()
+        ahead = list(stream)  # published before the 4-GPU job: first in fleet order
         big = record.apply_async(args=["big", 0.5], headers={"ext_ml_gpu_count": 4})
         end = time.monotonic() + 8
         while time.monotonic() < end and _result(redis_client, big.id) is None:
@@ -173,7 +175,19 @@ def test_a_four_gpu_job_under_a_stream_of_one_gpu_jobs_starts_within_their_time_
             time.sleep(0.1)
         done = _wait(lambda: _result(redis_client, big.id), 20, "the 4-GPU job")
         _wait(lambda: len(_results(redis_client)) == len(stream) + 1, 30, "the stream to drain")
-    assert done["start"] - sent <= limit_s + SLACK_S, done["start"] - sent
+    starts = {r["task_id"]: r["start"] for r in _results(redis_client)}
+    assert all(starts[i] < done["start"] for i in ahead), "a job ahead in order was overtaken"
+    first_at = max([sent, *(starts[i] for i in ahead)])  # the 4-GPU job is first from here
+    overtook = sorted(
+        (round(r["start"] - sent, 2), round(r["end"] - sent, 2), r["devices"])
+        for r in _results(redis_client)
+        if r["tag"] == "s" and first_at < r["start"] < done["start"]
+    )
+    gave = [ln for ln in (tmp_path / "four.log").read_text().splitlines() if "back" in ln]
+    late = (round(done["start"] - first_at, 2), round(first_at - sent, 2), overtook, gave[-6:])
+    assert overtook == [], f"a later 1-GPU job took the reserved GPUs: {late}"
+    assert done["start"] - first_at <= limit_s + SLACK_S, late
+    assert done["start"] - sent <= 2 * limit_s + SLACK_S, done["start"] - sent
     assert sorted(done["devices"]) == [0, 1, 2, 3]
     overlap = [
         r for r in _results(redis_client) if r["tag"] == "s" and r["start"] < done["end"]

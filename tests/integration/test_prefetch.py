@@ -97,3 +97,40 @@ def test_a_prefetching_worker_reads_that_many_more_messages_ahead(
             stats = app.control.inspect(timeout=1.0, destination=["a@test", "b@test"]).stats() or {}
     assert stats["a@test"]["prefetch_count"] == stats["b@test"]["prefetch_count"] + 3, stats
     app.close()
+
+
+def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
+    """A reserved job in its give-back back-off keeps its reservation (and its place), but
+    is not delivered ahead to the worker: the back-off exists so a job a gate disagrees
+    on does not bounce back there on every pass."""
+    from types import SimpleNamespace
+
+    from celery_ojs_ml.integration.prefetching import Prefetching
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.spec.normalize import normalize
+
+    sent: list[str] = []
+
+    class Leader(Prefetching):
+        def __init__(self) -> None:
+            self.settings = SimpleNamespace(prefetch=2)
+            self._prefetched = {}
+            self._dirty = False
+
+        def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
+            sent.append(task_id)
+
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    jobs = {
+        "fresh": PendingJob("fresh", req, submitted_at=1.0),
+        "returned": PendingJob("returned", req, submitted_at=2.0, not_before=105.0),
+    }
+    decision = Decision(
+        reservations=(Reservation("fresh", "w", 110.0), Reservation("returned", "w", 110.0))
+    )
+    records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+    Leader()._prefetch(decision, records, jobs, now=100.0)
+    assert sent == ["fresh"]
+    sent.clear()
+    Leader()._prefetch(decision, records, jobs, now=106.0)
+    assert sent == ["fresh", "returned"], "sent ahead once its back-off is over"

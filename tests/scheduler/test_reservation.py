@@ -11,6 +11,7 @@ reserved capacity. (DESIGN invariant 7, Slurm's backfill.)
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from celery_ojs_ml.scheduler import Policy, Reservation, WorkerState
 from tests.scheduler.helpers import NOW, caps, decide, job, running, worker
@@ -133,3 +134,27 @@ def test_a_4_gpu_job_under_a_stream_of_1_gpu_jobs_starts_within_two_small_time_l
             break
         sim.advance(0.1)
     assert sim.started["big"] - sim.jobs["big"].submitted_at <= 2 * 1.5 + 0.1 + 1e-9
+
+
+def test_a_job_sitting_out_a_give_back_keeps_its_place_and_its_reservation() -> None:
+    """A 4-GPU job given back by a gate (its view was stale) sits out a back-off. Meanwhile
+    it is still first in order and holds the free GPUs it waits for: the 1-GPU jobs
+    behind it, which would end after it can start again, do not take them."""
+    fleet = [worker("w4", "nvidia-a100x4")]
+    big = replace(job("big", at=1, gpu_count=4, limit=60), not_before=NOW + 0.5)
+    small = [job(f"s{i}", at=2 + i, gpu_count=1, limit=2) for i in range(4)]
+    decision = decide([big, *small], fleet)
+    assert decision.assignments == ()
+    assert [(r.task_id, r.worker) for r in decision.reservations] == [("big", "w4")]
+    after = decide([replace(big, not_before=NOW - 0.1), *small], fleet)
+    assert [(a.task_id, a.worker) for a in after.assignments] == [("big", "w4")]
+
+
+def test_a_job_sitting_out_a_give_back_lets_only_what_ends_in_time_backfill() -> None:
+    fleet = [worker("w4", "nvidia-a100x4")]
+    big = replace(job("big", at=1, gpu_count=4, limit=60), not_before=NOW + 0.5)
+    decision = decide([big, job("unlimited", at=2, gpu_count=1)], fleet)
+    assert decision.assignments == (), "no time limit: never on reserved capacity"
+    three = replace(job("three", at=1, gpu_count=3, limit=60), not_before=NOW + 0.5)
+    decision = decide([three, job("other", at=2, gpu_count=1)], fleet)
+    assert [a.task_id for a in decision.assignments] == ["other"], "what it does not need"

@@ -611,8 +611,8 @@ def test_a_job_given_back_records_when_so_the_leader_can_back_off(book: PendingB
     record = book.get("job-1")
     assert record is not None and float(record["returned_at"]) > 0
     at = float(record["returned_at"])
-    assert FleetScheduler._cooling(record, at + 0.1) is True, "not re-offered at once"
-    assert FleetScheduler._cooling(record, at + 0.6) is False, "re-offered after the backoff"
+    assert at + 0.1 < FleetScheduler._cooled_at(record), "not re-offered at once"
+    assert at + 0.6 > FleetScheduler._cooled_at(record), "re-offered after the backoff"
 
 
 @pytest.mark.parametrize("lua", [True, False])
