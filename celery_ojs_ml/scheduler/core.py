@@ -89,7 +89,8 @@ def schedule(
     jobs, raised = escalate_all(pending, now)
     held = {p.rid: p for p in pools}
     general = [j for j in jobs if j.req.ext_ml_reservation_id not in held and j.gang is None]
-    ganged = place_gangs((j for j in jobs if j.gang is not None), fleet, now)
+    ranks = (j for j in jobs if j.gang is not None and j.not_before <= now)  # backed off: later
+    ganged = place_gangs(ranks, fleet, now)
     fleet = ganged.fleet
     if held:
         fleet = open_queues(hold(fleet, held.values(), now))
@@ -104,7 +105,11 @@ def schedule(
             break  # this job and every one after it can only wait (`Policy.settle`)
         planner.decide(job)
     decision = planner.decision()
-    inside = [j for j in jobs if j.req.ext_ml_reservation_id in held and j.gang is None]
+    inside = [
+        j
+        for j in jobs
+        if j.req.ext_ml_reservation_id in held and j.gang is None and j.not_before <= now
+    ]
     filled = fill(inside, held, fleet) if held else Filled([], {}, [])
     if not (ganged.assignments or ganged.annotations or held):
         return decision

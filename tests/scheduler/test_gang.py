@@ -45,3 +45,15 @@ def test_a_gang_with_a_rank_missing_waits_for_it() -> None:
     decision = schedule(ranks("g", 2, gpu_count=1)[1:], fleet, NOW, Policy())
     assert decision.assignments == ()
     assert "1/2 ranks are waiting" in decision.annotations["g-1"].reason_pending
+
+
+def test_a_gang_whose_rank_sits_out_a_give_back_waits_for_it() -> None:
+    """A rank in its back-off (`not_before`) is not placed, so neither is its gang."""
+    fleet = [worker("a"), worker("b")]
+    backed_off = [
+        replace(r, not_before=NOW + 0.5) if r.rank == 0 else r for r in ranks("g", 2, gpu_count=1)
+    ]
+    decision = schedule(backed_off, fleet, NOW, Policy())
+    assert decision.assignments == ()
+    later = schedule(backed_off, fleet, NOW + 0.6, Policy())
+    assert sorted(later.assigned()) == ["g-0", "g-1"]

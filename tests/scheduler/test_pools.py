@@ -117,3 +117,14 @@ def test_capacity_freed_inside_a_reservation_is_not_promised_to_a_job_outside_it
     decision = schedule([job("out", gpu_count=1)], fleet, NOW, Policy(), pools=[ends])
     assert decision.annotations["out"].t_estimate == NOW + 100
     assert not decision.preemptions, "a job outside preempted one inside a reservation"
+
+
+def test_a_job_of_a_reservation_sitting_out_a_give_back_waits_for_its_end() -> None:
+    from dataclasses import replace
+
+    fleet = [worker("a"), worker("b")]
+    pools = [pool("r1", "b", gpu_count=2)]
+    backed_off = replace(job("in1", gpu_count=2, reservation_id="r1"), not_before=NOW + 0.5)
+    assert schedule([backed_off], fleet, NOW, Policy(), pools=pools).assignments == ()
+    later = schedule([backed_off], fleet, NOW + 0.6, Policy(), pools=pools)
+    assert later.assigned() == {"in1": "b"}
