@@ -80,9 +80,9 @@ class Delivery:
     _reliable: Any
     """The Redis intake (`intake.Intake`); None on other brokers."""
     _events: Any
+    """The leader's event dispatcher (`_event`); None until the first event."""
     _task_events: bool
     """Whether a live worker sends task events (its advertisement's `task_events`)."""
-    """The leader's event dispatcher (`_event`); None until the first event."""
     _declared: set[str]
     _prefetched: dict[str, str]
     policy: Policy
