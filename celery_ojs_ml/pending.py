@@ -142,19 +142,24 @@ class PendingBook(Admitting, LeaderLock, Reading):
         now: float,
         notes: Mapping[str, tuple[str, float | None, str | None]] | None = None,
         also: Callable[[Any], None] | None = None,
+        before: Callable[[Any], Callable[[Any], None] | None] | None = None,
     ) -> list[str | None]:
         """`assign` of (task id, worker, token, push) each, and `annotate(notes)`, in one
         pipeline where the store runs Lua; each item's token, or None where the job was
         not pending any more. `also` may queue more commands on that pipeline (it is
-        not called where there is none).
+        not called where there is none); `before` queues commands ahead of them and returns
+        what takes their reply (as in `pass_reads`; without Lua it raises, nothing assigned).
 
         The script goes out as a bare `EVALSHA`: redis-py's pipelined `Script` asks
         `SCRIPT EXISTS` first, a round trip of its own on every pass. Where the server
         does not hold the script (its first use, a restart) those items are assigned
         again one by one, which loads it."""
+        script = self._assign_script
         replies = (
-            None if self._assign_script is None else self._assign_pipelined(items, now, notes, also)
+            None if script is None else self._assign_pipelined(items, now, notes, also, before)
         )
+        if replies is None and before is not None:
+            raise RuntimeError("assign_many(before=...) needs Lua on the store")
         if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
             self.annotate(notes or {})
             return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
@@ -176,6 +181,7 @@ class PendingBook(Admitting, LeaderLock, Reading):
         now: float,
         notes: Mapping[str, tuple[str, float | None, str | None]] | None,
         also: Callable[[Any], None] | None,
+        before: Callable[[Any], Callable[[Any], None] | None] | None = None,
     ) -> list[Any] | None:
         """`assign_many`'s pipeline: each item's reply (or error), then the notes'; None
         where the store runs no Lua."""
@@ -183,13 +189,17 @@ class PendingBook(Admitting, LeaderLock, Reading):
         sha = self._assign_script.sha
         try:
             with self._r.pipeline(transaction=False) as pipe:
+                first = before(pipe) if before is not None else None
                 for task_id, worker, token, push in items:
                     keys, args = self._assign_call(task_id, worker, token, fields, push)
                     pipe.evalsha(sha, len(keys), *keys, *args)
                 self._annotations(pipe, notes or {})
                 if also is not None:
                     also(pipe)
-                return list(pipe.execute(raise_on_error=False))
+                replies = list(pipe.execute(raise_on_error=False))
+                if first is not None:
+                    first(replies.pop(0))
+                return replies
         except (redis.ConnectionError, redis.TimeoutError):
             raise
         except _NO_SCRIPTING as exc:

@@ -124,15 +124,20 @@ class Delivery:
         items: list[tuple[str, str, dict[str, Any], PendingJob]],
         now: float,
         notes: dict[str, tuple[str, float | None, str | None]],
-    ) -> None:
+        before: Callable[[Any], Callable[[Any], None] | None] | None = None,
+    ) -> int:
         """A pass's plain assignments (`_deliver`) and its changed annotations: the
-        assignment calls and the notes' writes in one pipeline."""
+        assignment calls and the notes' writes in one pipeline (`before`: the fast
+        lane's admission, ahead of them). Returns how many were assigned."""
         outs = [self._outgoing(t, w, record, (), False) for t, w, record, _ in items]
         items_out = [(o.task_id, o.worker, o.token, o.push) for o in outs]
-        tokens = self.book.assign_many(items_out, now, notes, self._settle_in())
+        tokens = self.book.assign_many(items_out, now, notes, self._settle_in(), before)
+        sent = 0
         for out, token, item in zip(outs, tokens, items, strict=True):
             if token is not None:
                 self._sent(out, item[3], now)
+                sent += 1
+        return sent
 
     def _settle_in(self) -> Callable[[Any], None] | None:
         """With the store on the broker's Redis (`_direct`), the intake messages admitted

@@ -59,6 +59,7 @@ class Intake:
     _events: Any
     _dirty: bool
     _woken: bool
+    _lane: Any
     _declared: set[str]
     _reliable: RedisIntake | None
 
@@ -151,7 +152,7 @@ class Intake:
 
     def _close(self) -> None:
         conn, self._conn, self._consumer, self._producer = self._conn, None, None, None
-        self._direct = self._events = None
+        self._direct = self._events = self._lane = None
         self._intake = []  # not acked: the broker redelivers them to the next leader
         reliable, self._reliable = self._reliable, None
         if reliable is not None:
@@ -168,6 +169,7 @@ class Intake:
         self._dirty = True
         if HEADER_WAKE in headers:
             self._woken = True
+            self._lane = None  # capacity changed: the next arrival takes a full pass
             message.ack()
             return
         task_id = headers.get("id")

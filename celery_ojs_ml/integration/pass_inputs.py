@@ -63,6 +63,7 @@ class PassInputs:
     _full_pass_at: float
     _dirty: bool
     parse: Callable[[Any], MLRequirements | None]
+    _quiet: Callable[[dict[str, Any], list[Any]], None]
 
     def _first_reads(self) -> tuple[dict[str, Any], bool, dict[str, Any], list[Any]] | None:
         """Records, whether reservations exist, live workers and leases, in one round trip
@@ -80,6 +81,8 @@ class PassInputs:
         else:
             records, reserving = self.view.records((reads.index, reads.changed)), reads.reserving
         if not records and not reserving:
+            if reads is not None:
+                self._quiet(reads.workers, reads.leases)
             return None
         if reads is None:
             return records, reserving, self.store.live_workers(), self.leases.all()

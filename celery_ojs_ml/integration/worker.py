@@ -178,7 +178,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
             self.logical = self._own_queues()
             self.refresh()
-        self.advertise()
+        self.advertise(wake=self._wake_item())  # a worker joining is capacity for the leader
         self._open_prefetch(c)
         self._start_scheduler()
         self._timers = [
@@ -226,8 +226,8 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
 
     def _wake_now(self) -> None:
         self._wake_due = False
-        if self._wake_list is not None:  # one round trip: advertisement and wake-up
-            wake = (self._wake_list, redis_intake.wake_message(self.hostname))
+        wake = self._wake_item()
+        if wake is not None:  # one round trip: advertisement and wake-up
             if threading.current_thread() is not threading.main_thread():
                 self.advertise(wake=wake)  # the writer's connection belongs to the loop
                 return
@@ -242,6 +242,13 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             send_wake(self.app, self.hostname)
         except Exception as exc:  # the scheduler also passes on its own interval
             log.warning("ojs-ml: could not wake the scheduler: %s", exc)
+
+    def _wake_item(self) -> tuple[str, bytes] | None:
+        """A wake-up for the store's own client (`redis_intake.wake_list`); None where
+        it goes through kombu."""
+        if self._wake_list is None:
+            return None
+        return self._wake_list, redis_intake.wake_message(self.hostname)
 
     def _check_concurrency(self, limit: Any) -> None:
         """Warn when the pool has fewer processes than the worker has GPUs.
@@ -301,6 +308,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self.scheduler.stop()
         try:
             self.store.forget_worker(self.hostname)
+            wake = self._wake_item()  # the leader's kept fleet had it (`lane`)
+            if wake is not None:
+                self.store.client.lpush(*wake)
         except Exception:  # the store may already be gone at shutdown
             log.debug("ojs-ml: could not deregister %s", self.hostname)
         GATES.pop(self.hostname, None)

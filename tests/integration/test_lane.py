@@ -1,0 +1,209 @@
+"""The leader's fast lane (`integration.lane`): an arrival at a quiet fleet is decided on
+the fleet the last quiet pass read, with its admission and assignment in one pipeline.
+
+A real `FleetScheduler` on a private Redis; the workers are advertisements written the
+way a worker's gate writes them (an `Allocator` snapshot of a capability profile).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_ojs_ml import OJSML
+from celery_ojs_ml.allocator.core import Allocator
+from celery_ojs_ml.allocator.model import Allocation
+from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
+from celery_ojs_ml.integration import redis_intake
+from celery_ojs_ml.integration.delivery import HEADER_ASSIGN, worker_queue_name
+from celery_ojs_ml.integration.redis_intake import PROCESSING_SUFFIX
+from celery_ojs_ml.integration.scheduling import FleetScheduler
+from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store import OJSStore
+from tests.integration.workers import WorkerProcess, running
+
+pytestmark = pytest.mark.integration
+
+BIG, SMALL = "big@host", "small@host"
+
+
+def _advertise(store: OJSStore, name: str, profile: str, wake: bool = False) -> None:
+    """A worker's advertisement (with its wake-up, as a gate that freed capacity sends)."""
+    caps = resolve_capabilities(profile)
+    push = ("ojs.ml.intake", redis_intake.wake_message(name)) if wake else None
+    store.advertise(
+        name,
+        capabilities_to_dict(caps),
+        Allocator(caps).snapshot(),
+        ttl_s=60,
+        info={"pinning": True, "queues": ["celery"]},
+        push=push,
+    )
+
+
+_APPS: list[Celery] = []
+
+
+@pytest.fixture
+def fleet(redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[Celery, FleetScheduler]]:
+    app = Celery("lane", broker=redis_url, backend=redis_url, set_as_current=False)
+    app.conf.task_create_missing_queues = True
+    OJSML(app)
+
+    @app.task(name="lane.one", shared=False, ml={"ext_ml_gpu_count": 1})  # type: ignore[untyped-decorator]
+    def one() -> None:
+        return None
+
+    @app.task(name="lane.eight", shared=False, ml={"ext_ml_gpu_count": 8})  # type: ignore[untyped-decorator]
+    def eight() -> None:
+        return None
+
+    _APPS.append(app)
+    store = OJSStore(redis_client, prefix="ojs")
+    _advertise(store, BIG, "profile:nvidia-a100x8")
+    _advertise(store, SMALL, "profile:nvidia-a100x1")
+    leader = FleetScheduler(app, candidate="lane-leader")
+    assert leader.book.lead(leader.candidate, 30)
+    leader._connect()
+    try:
+        yield app, leader
+    finally:
+        leader._close()
+        _APPS.remove(app)
+        app.close()
+
+
+def _delivered(client: redis.Redis, worker: str) -> list[dict[str, Any]]:
+    raws = client.lrange(worker_queue_name("ojs", worker), 0, -1)
+    return [json.loads(raw) for raw in raws]
+
+
+def test_a_job_arriving_at_a_quiet_fleet_is_assigned_in_the_lane_to_its_best_fit(
+    fleet: tuple[Celery, FleetScheduler], redis_client: redis.Redis
+) -> None:
+    app, leader = fleet
+    leader.step(0)  # a quiet pass: nothing waits, the fleet is kept
+    assert leader._lane is not None
+    passes = leader.passes
+    job = app.tasks["lane.one"].apply_async()
+    leader.step(1.0)
+    assert leader.lane_passes == 1 and leader.passes == passes, "decided without a full pass"
+    record = PendingBook(leader.store).get(job.id)
+    assert record is not None and record["state"] == "assigned"
+    assert record["worker"] == SMALL, "best fit: the 1-GPU worker, not the 8-GPU one"
+    (msg,) = _delivered(redis_client, SMALL)
+    assert msg["headers"]["id"] == job.id
+    assert msg["headers"][HEADER_ASSIGN] == record["token"], "delivered with its token"
+    assert _delivered(redis_client, BIG) == []
+    leader._settle()
+    assert redis_client.llen(leader.intake + PROCESSING_SUFFIX) == 0, "its message settled"
+
+    # one use: the next arrival (the fleet changed) takes a full pass, which places the
+    # 8-GPU job on the 8-GPU worker as at once
+    big = app.tasks["lane.eight"].apply_async()
+    leader.step(1.0)
+    assert leader.lane_passes == 1 and leader.passes == passes + 1
+    record = PendingBook(leader.store).get(big.id)
+    assert record is not None and (record["state"], record["worker"]) == ("assigned", BIG)
+
+
+def test_a_wake_up_ends_the_lane_and_the_next_arrival_takes_a_full_pass(
+    fleet: tuple[Celery, FleetScheduler], redis_client: redis.Redis
+) -> None:
+    app, leader = fleet
+    leader.step(0)
+    assert leader._lane is not None
+    _advertise(leader.store, SMALL, "profile:nvidia-a100x1", wake=True)  # capacity changed
+    leader._read(1.0, 64)
+    assert leader._woken and leader._lane is None
+    passes = leader.passes
+    job = app.tasks["lane.one"].apply_async()
+    leader.step(1.0)
+    assert leader.lane_passes == 0 and leader.passes > passes
+    record = PendingBook(leader.store).get(job.id)
+    assert record is not None and (record["state"], record["worker"]) == ("assigned", SMALL)
+
+
+def test_a_job_that_cannot_start_now_is_left_to_a_full_pass_which_says_why_it_waits(
+    fleet: tuple[Celery, FleetScheduler], redis_client: redis.Redis
+) -> None:
+    app, leader = fleet
+    caps = resolve_capabilities("profile:nvidia-a100x8")
+    busy = Allocator(caps)  # every GPU of the 8-GPU worker allocated, as its heartbeat shows
+    req = MLRequirements(ext_ml_gpu_count=8, ext_ml_gpu_type="nvidia-a100")
+    assert isinstance(busy.try_alloc("running", "running", req), Allocation)
+    leader.store.advertise(
+        BIG, capabilities_to_dict(caps), busy.snapshot(), ttl_s=60, info={"pinning": True}
+    )
+    leader.step(0)
+    assert leader._lane is not None
+    passes = leader.passes
+    job = app.tasks["lane.eight"].apply_async()
+    leader.step(1.0)
+    assert leader.lane_passes == 0, "a job that must wait is not decided in the lane"
+    assert leader.passes == passes + 1
+    record = PendingBook(leader.store).get(job.id)
+    assert record is not None and record["state"] == "pending"
+    assert "gpu_count free 0 < 8" in record["annotation"]["reason_pending"], "annotated"
+    assert _delivered(redis_client, BIG) == [] and _delivered(redis_client, SMALL) == []
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"ojs_ml_prefetch": 2},
+        {"ojs_ml_fair_share": {"train": 2.0}},
+    ],
+    ids=["prefetch", "fair-share"],
+)
+def test_the_lane_stays_shut_where_the_full_pass_must_account_for_every_job(
+    redis_url: str, redis_client: redis.Redis, conf: dict[str, Any]
+) -> None:
+    app = Celery("shut", broker=redis_url, set_as_current=False)
+    app.conf.update(conf)
+    OJSML(app)
+    _APPS.append(app)
+    _advertise(OJSStore(redis_client, prefix="ojs"), SMALL, "profile:nvidia-a100x1")
+    leader = FleetScheduler(app, candidate="shut-leader")
+    assert leader.book.lead(leader.candidate, 30)
+    leader._connect()
+    try:
+        leader.step(0)
+        assert leader._lane is None
+    finally:
+        leader._close()
+        _APPS.remove(app)
+        app.close()
+
+
+def test_a_worker_wakes_the_leader_when_it_joins_and_when_it_leaves(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A worker joining or leaving changes the fleet without freeing capacity a job held:
+    it wakes the leader, which ends the lane and passes at once (a waiting job starts
+    on a new worker without waiting for the scheduler's interval)."""
+    store = OJSStore(redis_client, prefix="ojs")
+    worker = WorkerProcess(
+        "joiner",
+        redis_url,
+        "profile:nvidia-a100x1",
+        tmp_path,
+        concurrency=1,
+        extra_env={"OJS_TEST_CONF": json.dumps({"ojs_ml_scheduler": "off"})},
+    )
+
+    def wakes() -> list[str]:
+        raws = redis_client.lrange("ojs.ml.intake", 0, -1)
+        return [json.loads(r)["headers"].get(redis_intake.WAKE_HEADER) for r in raws]
+
+    with running([worker], store):
+        assert wakes() == [worker.hostname], "joined: one wake-up, with its advertisement"
+    assert worker.hostname not in store.live_workers()
+    assert wakes() == [worker.hostname, worker.hostname], "left: a second one"
