@@ -15,10 +15,14 @@ Key decisions:
   `_LANE_AGE_S`, and for one use.
 * Whatever changes free capacity without this leader's own assignment ends
   the lane first: a worker's wake-up (capacity freed, a job given back, a
-  worker joined or left, an RFC 27 request or a reservation from the API all
-  send one), any pass that decides jobs, a new leadership, a closed
-  connection. A worker that dies without a word stays in the advertisements
-  for their TTL in a full pass as well.
+  worker joined, an RFC 27 request or a reservation from the API all send
+  one), any pass that decides jobs, a new leadership, a closed connection.
+  A worker that left within the lane's second (a warm shutdown deletes its
+  advertisement and sends no wake-up: with no leader left it would stay on
+  the intake) may be assigned a job; the next pass finds it gone and takes
+  the job back, as any assignment to a departed worker, so the job starts
+  about a second late, never twice. A worker that dies without a word stays
+  in the advertisements for their TTL in a full pass as well.
 * The arrivals are decided by the same policy core, on that fleet. Only a
   decision that starts every one of them now is carried out, with their
   admission ahead of their assignments in one pipeline (the assignment's

@@ -308,9 +308,6 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self.scheduler.stop()
         try:
             self.store.forget_worker(self.hostname)
-            wake = self._wake_item()  # the leader's kept fleet had it (`lane`)
-            if wake is not None:
-                self.store.client.lpush(*wake)
         except Exception:  # the store may already be gone at shutdown
             log.debug("ojs-ml: could not deregister %s", self.hostname)
         GATES.pop(self.hostname, None)

@@ -183,12 +183,12 @@ def test_the_lane_stays_shut_where_the_full_pass_must_account_for_every_job(
         app.close()
 
 
-def test_a_worker_wakes_the_leader_when_it_joins_and_when_it_leaves(
+def test_a_worker_wakes_the_leader_when_it_joins(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """A worker joining or leaving changes the fleet without freeing capacity a job held:
-    it wakes the leader, which ends the lane and passes at once (a waiting job starts
-    on a new worker without waiting for the scheduler's interval)."""
+    """A worker joining is capacity the kept fleet lacks: it wakes the leader, which
+    ends the lane and passes at once (a waiting job starts on the new worker without
+    waiting for the scheduler's interval)."""
     store = OJSStore(redis_client, prefix="ojs")
     worker = WorkerProcess(
         "joiner",
@@ -206,4 +206,27 @@ def test_a_worker_wakes_the_leader_when_it_joins_and_when_it_leaves(
     with running([worker], store):
         assert wakes() == [worker.hostname], "joined: one wake-up, with its advertisement"
     assert worker.hostname not in store.live_workers()
-    assert wakes() == [worker.hostname, worker.hostname], "left: a second one"
+    assert wakes() == [worker.hostname], "a warm shutdown leaves nothing on the intake"
+
+
+def test_a_job_the_lane_gave_a_worker_that_left_is_taken_back_and_runs_elsewhere(
+    fleet: tuple[Celery, FleetScheduler], redis_client: redis.Redis
+) -> None:
+    """A warm shutdown sends no wake-up: the lane may still pick the worker that left.
+    The next pass finds it gone, takes the job back (token-fenced) and places it on a
+    live worker; the stale copy cannot start."""
+    app, leader = fleet
+    leader.step(0)
+    assert leader._lane is not None
+    leader.store.forget_worker(SMALL)  # what a warm shutdown does
+    job = app.tasks["lane.one"].apply_async()
+    leader.step(1.0)
+    assert leader.lane_passes == 1
+    record = PendingBook(leader.store).get(job.id)
+    assert record is not None and (record["state"], record["worker"]) == ("assigned", SMALL)
+    stale = record["token"]
+    leader.step(0)  # the next pass: SMALL is gone, the job taken back and placed again
+    record = PendingBook(leader.store).get(job.id)
+    assert record is not None and (record["state"], record["worker"]) == ("assigned", BIG)
+    assert record["token"] != stale
+    assert PendingBook(leader.store).start(job.id, stale, SMALL) == "stale"
