@@ -90,14 +90,14 @@ class PassInputs:
 
     def _pass_policy(self) -> Policy:
         """The full policy every `ojs_ml_full_pass_s`; between, only the first
-        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`), and
-        the pass stops at the first job from which every job can only wait
-        (`Policy.settle`: the same decisions, `tests/scheduler/test_settle.py`)."""
+        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`)."""
         at = time.monotonic()
         if at - self._full_pass_at >= self.settings.full_pass_s:
             self._full_pass_at = at
             return self.policy
-        return replace(self.policy, queue_depth=self.settings.queue_depth, settle=True)
+        # `Policy.settle` (stop early) is built and tested in the core but not used here yet:
+        # the one full run with it on exceeded the starvation test's bound by 70 ms (NOTES).
+        return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
         """The core's view of a waiting record, parsed once per admission and priority, and

@@ -230,16 +230,3 @@ def test_a_job_the_lane_gave_a_worker_that_left_is_taken_back_and_runs_elsewhere
     assert record is not None and (record["state"], record["worker"]) == ("assigned", BIG)
     assert record["token"] != stale
     assert PendingBook(leader.store).start(job.id, stale, SMALL) == "stale"
-
-
-def test_the_leaders_quick_passes_stop_early_and_its_full_passes_decide_every_job(
-    fleet: tuple[Celery, FleetScheduler],
-) -> None:
-    """Between full passes (every `ojs_ml_full_pass_s`) the live leader's passes decide
-    the first `ojs_ml_queue_depth` jobs and stop where every job left can only wait
-    (`Policy.settle`, docs/scheduling.md "Pass depth")."""
-    _, leader = fleet
-    full = leader._pass_policy()
-    quick = leader._pass_policy()
-    assert not full.settle and full.queue_depth is None
-    assert quick.settle and quick.queue_depth == leader.settings.queue_depth
