@@ -95,8 +95,9 @@ class PassInputs:
         if at - self._full_pass_at >= self.settings.full_pass_s:
             self._full_pass_at = at
             return self.policy
-        # `Policy.settle` (stop early) is built and tested in the core but not used here yet:
-        # the one full run with it on exceeded the starvation test's bound by 70 ms (NOTES).
+        # `Policy.settle` (stop early) is built and tested in the core but not used here: with
+        # it on, the starvation test failed 1 run in 15 (a later 1-GPU job on a reserved GPU;
+        # docs/performance.md, ninth session), cause not found.
         return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
