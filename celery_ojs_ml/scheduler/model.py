@@ -212,8 +212,12 @@ class Policy:
     """Expected time for victims to leave; the preempting job's start estimate."""
     deny_unsatisfiable: bool = False
     """`ojs_ml_deny_unsatisfiable`: deny jobs no known worker could ever run (RFC 27 DENY)."""
-    overdue_s: float = 10.0
-    """A running job past its time limit is expected to end this much later."""
+    overdue_s: float = 1.0
+    """A running job past its time limit is expected to end this much later. Its limit is
+    a hard one (the worker kills it), and a lease's start precedes the task body's by
+    the hand-off to the pool, so a job just past its limit is ending: a longer guess
+    opened a backfill window behind it for jobs the reserved job then waited for (10 s
+    until the ninth session; the starvation test failed about 1 run in 20)."""
     budgets: tuple[tuple[str, Budget], ...] = ()
     """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
     weights: tuple[tuple[str, float], ...] = ()

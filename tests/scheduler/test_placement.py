@@ -92,7 +92,7 @@ def test_a_dedicated_job_waits_for_a_worker_with_nothing_running() -> None:
     fleet = [worker("w8", jobs=[running("a", gpu_count=1, limit=300)])]
     decision = decide([job("alone", gpu_count=1, gpu_affinity="dedicated", limit=60)], fleet)
     assert decision.assigned() == {}
-    assert decision.annotations["alone"].t_estimate == NOW + 10  # past its limit: +10 s
+    assert decision.annotations["alone"].t_estimate == NOW + 1  # past its limit: overdue_s
     assert decision.annotations["alone"].reason_pending == (
         "1/1 workers eligible: 1 worker busy, dedicated"
     )

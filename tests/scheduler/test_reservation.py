@@ -158,3 +158,19 @@ def test_a_job_sitting_out_a_give_back_lets_only_what_ends_in_time_backfill() ->
     three = replace(job("three", at=1, gpu_count=3, limit=60), not_before=NOW + 0.5)
     decision = decide([three, job("other", at=2, gpu_count=1)], fleet)
     assert [a.task_id for a in decision.assignments] == ["other"], "what it does not need"
+
+
+def test_a_job_just_past_its_limit_is_expected_to_end_soon_so_nothing_backfills_behind_it() -> None:
+    """A running job whose limit ran out 50 ms ago is being killed (the limit is a hard
+    one) or its lease's start preceded its body's: it is expected to end `overdue_s` (1 s)
+    from now. The reserved start is then 1 s away, and a 2 s job behind the reservation
+    does not backfill onto the three free GPUs. With the old 10 s guess it did, and the
+    4-GPU job waited for it (the live starvation test, about 1 run in 20)."""
+    fleet = [
+        worker("w4", "nvidia-a100x4", [running("r", started=NOW - 2.05, limit=2, gpu_count=1)])
+    ]
+    pending = [job("big", at=1, gpu_count=4, limit=60), job("small", at=2, gpu_count=1, limit=2)]
+    decision = decide(pending, fleet)
+    assert decision.reservations == (Reservation("big", "w4", NOW + 1),)
+    assert decision.assigned() == {}, "the 2 s job would end after the reserved start"
+    assert decide(pending, fleet, overdue_s=10).assigned() == {"small": "w4"}, "the old guess"
