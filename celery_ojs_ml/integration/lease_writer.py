@@ -107,6 +107,8 @@ class LeaseWriter:
         before then costs no record at all.
         """
         token: str = next(self._tokens)
+        if self._defer is not None and self._releasing(task_id):
+            self.flush(wait=True)  # see `_releasing`
         if self._defer is None:
             built = self._build(task_id, token, record)
             written(built is not None and self._write([built], []))
@@ -117,6 +119,19 @@ class LeaseWriter:
         self._takes[token] = (task_id, record, written, due)
         self._schedule(due)
         return token
+
+    def _releasing(self, task_id: str) -> bool:
+        """Whether the release of an earlier run of `task_id` is queued or unanswered.
+
+        A run's checkpoint commits are fenced on the job's lease: absent, or its own
+        (`checkpoint.records.commit`). A new run of the same job starting here (a retry
+        within the lease delay of the last run's end) would find the last run's lease
+        still there until the batch goes out, take that for another worker's, and stop;
+        so that release is written, and answered, before the new run starts."""
+        if any(t == task_id for t, _ in self._releases):
+            return True
+        sent = (batch[1] for batch in self._inflight if not isinstance(batch, Fired))
+        return any(t == task_id for releases in sent for t, _ in releases)
 
     def release(self, task_id: str, token: str) -> None:
         """Queue the release of a finished job's lease (token-checked)."""

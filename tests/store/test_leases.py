@@ -467,3 +467,24 @@ def test_a_fired_write_that_fails_or_whose_connection_breaks_is_redone(
 def test_without_a_loop_nothing_is_fired(book: tuple[LeaseBook, Clock]) -> None:
     leases, _ = book
     assert LeaseWriter(leases, None).fire([("SET", "x", "1")], lambda: None) is False
+
+
+def test_a_new_run_of_a_job_starts_only_once_the_last_runs_lease_is_gone(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    """A retry started here within the lease delay of the last run's end: the last run's
+    queued release is written before the new run's take returns, so the new run's first
+    checkpoint commit (fenced on the lease: absent or its own) does not find the old
+    lease and stop as if another worker had taken the job over."""
+    leases, _ = book
+    loop = Loop()
+    writer = LeaseWriter(leases, loop.defer, clock=loop.clock)
+    old = writer.take("retried", _record("retried"), lambda ok: None)
+    loop.turn()  # the first run's lease is written
+    assert (leases.get("retried") or {}).get("token") == old
+    writer.release("retried", old)  # it ended: its release waits for the next batch
+    assert leases.get("retried") is not None, "queued, not written yet"
+    new = writer.take("retried", _record("retried"), lambda ok: None)
+    assert leases.get("retried") is None, "the old run's lease is gone before the new run"
+    loop.turn()
+    assert (leases.get("retried") or {}).get("token") == new
