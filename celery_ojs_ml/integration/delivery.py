@@ -46,6 +46,11 @@ def worker_queue_name(prefix: str, worker: str) -> str:
     return f"{prefix}.ml.w.{worker}"
 
 
+def task_events_wanted(live: dict[str, Any]) -> bool:
+    """Whether some live worker sends task events (its advertisement's `task_events`)."""
+    return any((e.get("info") or {}).get("task_events") for e in live.values())
+
+
 @dataclass(frozen=True, slots=True)
 class _Outgoing:
     """One assignment's delivery, built before the assignment is recorded."""

@@ -37,17 +37,15 @@ Key decisions:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+from celery_ojs_ml.integration.delivery import task_events_wanted
 from celery_ojs_ml.integration.fleet_view import Ledger, pending_job
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.pending import PENDING
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
-
-log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 
 _LANE_AGE_S = 1.0
 """Longest a quiet pass's fleet is used for an arrival (the leader passes every
@@ -84,7 +82,7 @@ class Lane:
 
     def _quiet(self, live: dict[str, Any], leases: list[Any]) -> None:
         """A pass found nothing waiting or assigned: keep its fleet for the next arrival."""
-        self._task_events = any((e.get("info") or {}).get("task_events") for e in live.values())
+        self._task_events = task_events_wanted(live)
         if not self._lane_open():
             return
         fleet = self._fleet({}, live, leases, time.time())

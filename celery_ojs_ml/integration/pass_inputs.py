@@ -96,8 +96,8 @@ class PassInputs:
             self._full_pass_at = at
             return self.policy
         # `Policy.settle` (stop early) is built and tested in the core but not used here: with
-        # it on, the starvation test failed 1 run in 15 (a later 1-GPU job on a reserved GPU;
-        # docs/performance.md, ninth session), cause not found.
+        # it on, the starvation test failed once (docs/performance.md, ninth session); the
+        # same failure without it was the `overdue_s` guess, fixed since; not tried again.
         return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:

@@ -36,9 +36,7 @@ from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.integration.admission import Admission
-from celery_ojs_ml.integration.delivery import (
-    Delivery,
-)
+from celery_ojs_ml.integration.delivery import Delivery, task_events_wanted
 from celery_ojs_ml.integration.fleet_view import (
     BudgetHold,
     Ledger,
@@ -241,7 +239,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         if first is None:
             return Decision()  # nothing waits or is assigned (a worker's wake-up when idle)
         records, reserving, live, leases = first
-        self._task_events = any((e.get("info") or {}).get("task_events") for e in live.values())
+        self._task_events = task_events_wanted(live)
         self._take_back(records, live, now)
         fleet = self._fleet(records, live, leases, now)
         waiting = self._waiting(records, now)

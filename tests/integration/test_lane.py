@@ -80,6 +80,12 @@ def fleet(redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[Celery, F
         app.close()
 
 
+def _placed(leader: FleetScheduler, task_id: str) -> tuple[Any, Any]:
+    """The job's pending record's (state, worker); (None, None) when there is none."""
+    record = PendingBook(leader.store).get(task_id) or {}
+    return record.get("state"), record.get("worker")
+
+
 def _delivered(client: redis.Redis, worker: str) -> list[dict[str, Any]]:
     raws = client.lrange(worker_queue_name("ojs", worker), 0, -1)
     return [json.loads(raw) for raw in raws]
@@ -110,8 +116,7 @@ def test_a_job_arriving_at_a_quiet_fleet_is_assigned_in_the_lane_to_its_best_fit
     big = app.tasks["lane.eight"].apply_async()
     leader.step(1.0)
     assert leader.lane_passes == 1 and leader.passes == passes + 1
-    record = PendingBook(leader.store).get(big.id)
-    assert record is not None and (record["state"], record["worker"]) == ("assigned", BIG)
+    assert _placed(leader, big.id) == ("assigned", BIG)
 
 
 def test_a_wake_up_ends_the_lane_and_the_next_arrival_takes_a_full_pass(
@@ -127,8 +132,7 @@ def test_a_wake_up_ends_the_lane_and_the_next_arrival_takes_a_full_pass(
     job = app.tasks["lane.one"].apply_async()
     leader.step(1.0)
     assert leader.lane_passes == 0 and leader.passes > passes
-    record = PendingBook(leader.store).get(job.id)
-    assert record is not None and (record["state"], record["worker"]) == ("assigned", SMALL)
+    assert _placed(leader, job.id) == ("assigned", SMALL)
 
 
 def test_a_job_that_cannot_start_now_is_left_to_a_full_pass_which_says_why_it_waits(
@@ -222,11 +226,9 @@ def test_a_job_the_lane_gave_a_worker_that_left_is_taken_back_and_runs_elsewhere
     job = app.tasks["lane.one"].apply_async()
     leader.step(1.0)
     assert leader.lane_passes == 1
-    record = PendingBook(leader.store).get(job.id)
-    assert record is not None and (record["state"], record["worker"]) == ("assigned", SMALL)
-    stale = record["token"]
+    assert _placed(leader, job.id) == ("assigned", SMALL)
+    stale = (PendingBook(leader.store).get(job.id) or {})["token"]
     leader.step(0)  # the next pass: SMALL is gone, the job taken back and placed again
-    record = PendingBook(leader.store).get(job.id)
-    assert record is not None and (record["state"], record["worker"]) == ("assigned", BIG)
-    assert record["token"] != stale
+    assert _placed(leader, job.id) == ("assigned", BIG)
+    assert (PendingBook(leader.store).get(job.id) or {})["token"] != stale
     assert PendingBook(leader.store).start(job.id, stale, SMALL) == "stale"
