@@ -72,11 +72,11 @@ def cuda_init() -> None:
         _real_cuda_init()
         return
     time.sleep(CUDA_INIT_S)
-    import _bisect
+    from celery_ojs_ml.testing import fake_cuda
 
     folder = tempfile.mkdtemp(prefix=f"ojs-bench-cuda-{os.getpid()}-")
     target = os.path.join(folder, "libcuda.so.1")
-    shutil.copyfile(_bisect.__file__, target)
+    shutil.copyfile(fake_cuda.shared_object(), target)
     ctypes.CDLL(target)
     os.unlink(target)
     os.rmdir(folder)

@@ -21,6 +21,7 @@ import redis
 from celery import Celery
 
 from celery_ojs_ml import OJSML
+from celery_ojs_ml.testing import fake_cuda
 
 RESULTS_KEY = "ojs-test:results"
 _CUDA_LOCK = threading.RLock()
@@ -35,7 +36,6 @@ def init_fake_cuda() -> None:
     under the driver's name; the plugin's detection (`child.cuda_initialised`)
     reads `/proc/self/maps` exactly as it would for the real driver.
     """
-    import _bisect
     import ctypes
     import shutil
     import tempfile
@@ -44,7 +44,7 @@ def init_fake_cuda() -> None:
         folder = os.path.join(tempfile.gettempdir(), f"ojs-fake-cuda-{os.getpid()}")
         os.makedirs(folder, exist_ok=True)
         target = os.path.join(folder, "libcuda.so.1")
-        shutil.copyfile(_bisect.__file__, target)
+        shutil.copyfile(fake_cuda.shared_object(), target)
         ctypes.CDLL(target)
         # The mapping stays (as "... libcuda.so.1 (deleted)"), so detection still sees it.
         os.unlink(target)

@@ -13,6 +13,7 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child
 from celery_ojs_ml.integration.settings import read_settings
 from celery_ojs_ml.integration.worker import configure_child_recycling
+from celery_ojs_ml.testing import fake_cuda
 
 MAPS = "7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/{name}\n"
 
@@ -33,7 +34,6 @@ def test_an_unreadable_maps_file_means_assume_the_worst(tmp_path: Path) -> None:
 
 
 def test_the_load_count_grows_when_a_shared_object_is_loaded(tmp_path: Path) -> None:
-    import _bisect
     import ctypes
     import shutil
 
@@ -41,7 +41,7 @@ def test_the_load_count_grows_when_a_shared_object_is_loaded(tmp_path: Path) -> 
     assert isinstance(before, int) and before > 0  # glibc on this machine
     assert child.loaded_objects() == before  # nothing loaded in between
     copy = tmp_path / "libfake.so"
-    shutil.copy(_bisect.__file__, copy)
+    shutil.copy(fake_cuda.shared_object(), copy)
     ctypes.CDLL(str(copy))
     after = child.loaded_objects()
     assert after is not None and after > before
