@@ -191,6 +191,8 @@ class Delivery:
             )
             self._declared.add(out.queue)
         what = f"preempting {', '.join(out.victims)}" if out.victims else "to start"
+        if out.prefetch:
+            what = "ahead of capacity: prefetch"
         log.info("ojs-ml: assigned %s to %s (%s)", out.task_id, out.worker, what)
 
     def _headers(

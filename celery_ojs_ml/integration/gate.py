@@ -216,6 +216,9 @@ class Gate(LeaseKeeping):
 
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
         if not assigned.may_start(self.worker, req, alloc):
+            # A stale copy was dropped and its allocation freed: the jobs held behind it
+            # may fit now, and no release will pump them (none may be running here).
+            self._pump_soon()
             return None
         if req.request_dict.get(HEADER_PREFETCH):
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
@@ -283,16 +286,21 @@ class Gate(LeaseKeeping):
         if self.unacked.pop(req, False):
             self._ack(req)  # its lease could not be written: the message held it
         log.debug("ojs-ml: released %s", req.id)
+        self._pump_soon()
+        # After the pump: a held job starts without waiting for the wake-up's round trips,
+        # and the advertisement then already counts it.
+        self.wake_scheduler()
+
+    def _pump_soon(self) -> None:
+        """`pump` on the event loop's next turn (one pump serves every release of a
+        turn), or now where there is no loop (a thread other than the loop's)."""
         hub = getattr(self.c, "hub", None)
         if hub is not None and threading.current_thread() is threading.main_thread():
-            if not self._pump_due:  # one pump serves every release of this loop turn
+            if not self._pump_due:
                 self._pump_due = True
                 hub.call_soon(self.pump)
         else:
             self.pump()
-        # After the pump: a held job starts without waiting for the wake-up's round trips,
-        # and the advertisement then already counts it.
-        self.wake_scheduler()
 
     def pump(self) -> None:
         """Start held jobs that fit now, in band, priority and FIFO order."""
