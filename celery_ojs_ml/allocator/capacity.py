@@ -200,7 +200,10 @@ class RunningBook:
             return Assessment(Verdict.NEVER, never, _join(never))
         if reasons:
             return Assessment(Verdict.WAIT, tuple(reasons), _join(reasons))
-        why = blocker(want, free, ahead)
+        # Only held requests that draw on the same capacity can be delayed by this one:
+        # a reservation's pool and the rest of the worker are disjoint (§8.3).
+        rivals = [p for p in ahead if pool_of(p.req.ext_ml_reservation_id, self._pools) == pool]
+        why = blocker(want, free, rivals)
         return Assessment(Verdict.WAIT, (), why) if why else Assessment(Verdict.FITS, (), "")
 
     def _taken(self, released: Collection[Allocation]) -> set[int]:

@@ -77,3 +77,42 @@ def _devices(a: object, key: str) -> tuple[int, ...]:
         if isinstance(alloc, Allocation) and alloc.key == key:
             return alloc.devices
     raise AssertionError(key)
+
+
+def test_a_job_of_the_reservation_starts_at_once_though_jobs_outside_it_are_held_ahead() -> None:
+    """§8.3: outside jobs held for the full rest of the worker cannot use the reservation,
+    so they never hold back a job inside it (the backfill rule sets aside only what the
+    requests ahead could take)."""
+    a = allocator()
+    a.set_pools({"r1": Demand(gpus=2)})
+    run(a, "o1", job(gpu_count=1))
+    run(a, "o2", job(gpu_count=1))
+    for name in ("o3", "o4"):
+        held = a.try_alloc(name, name, job(gpu_count=1))
+        assert isinstance(held, Pending), held
+        a.hold(held)
+    inside = a.try_alloc("in1", "in1", job(gpu_count=2, reservation_id="r1"))
+    assert isinstance(inside, Allocation), inside
+    assert a.pump() == []  # the outside jobs still wait for the outside GPUs
+
+
+def test_a_job_outside_the_reservation_is_not_held_back_by_jobs_waiting_inside_it() -> None:
+    a = allocator()
+    a.set_pools({"r1": Demand(gpus=2)})
+    run(a, "in1", job(gpu_count=2, reservation_id="r1"))
+    held = a.try_alloc("in2", "in2", job(gpu_count=1, reservation_id="r1"))
+    assert isinstance(held, Pending), held
+    a.hold(held)
+    outside = a.try_alloc("o1", "o1", job(gpu_count=2))
+    assert isinstance(outside, Allocation), outside
+
+
+def test_jobs_of_one_reservation_still_keep_their_order_inside_it() -> None:
+    a = allocator()
+    a.set_pools({"r1": Demand(gpus=2)})
+    run(a, "in1", job(gpu_count=1, reservation_id="r1"))
+    big = a.try_alloc("in2", "in2", job(gpu_count=2, reservation_id="r1"))
+    assert isinstance(big, Pending), big
+    a.hold(big)
+    small = a.try_alloc("in3", "in3", job(gpu_count=1, reservation_id="r1"))
+    assert isinstance(small, Pending) and "behind held in2" in small.reason, small
