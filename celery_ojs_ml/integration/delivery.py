@@ -166,7 +166,7 @@ class Delivery:
         body = base64.b64decode(msg["body"])
         ctype = msg.get("content_type") or "application/json"
         cenc = msg.get("content_encoding") or "utf-8"
-        props = msg.get("properties", {})
+        props = _prioritized(msg.get("properties", {}), record.get("priority"))
         push = None  # with the store on the broker's Redis: pushed by the assignment's Lua call
         if self._direct is not None:
             push = redis_intake.envelope(self._direct, name, body, headers, props, ctype, cenc)
@@ -276,3 +276,15 @@ class Delivery:
             fields: dict[str, Any] = {"uuid": note.task_id, "reason": note.reason_pending}
             fields |= {"t_estimate": note.t_estimate, "worker": note.worker}
             self._event("ojs-resource-waiting", fields)
+
+
+def _prioritized(properties: dict[str, Any], priority: Any) -> dict[str, Any]:
+    """The message's properties with the priority the pending set holds for it (RFC 27
+    prioritize may have changed it since it was published), so its gate orders it so."""
+    try:
+        wanted = int(priority)
+    except (TypeError, ValueError):
+        return properties
+    if properties.get("priority") == wanted or (wanted == 0 and not properties.get("priority")):
+        return properties
+    return {**properties, "priority": wanted}

@@ -351,6 +351,9 @@ def refused_result(req: Any, reason: str) -> None:
 
 
 def band_priority(headers: dict[str, Any]) -> int:
-    """The message priority inside its band (higher first)."""
+    """The message priority inside its band (higher first): a `priority` header, else the
+    Celery priority, which a request keeps in `delivery_info` (celery.worker.request)."""
     value = headers.get("priority")
+    if not isinstance(value, int):
+        value = (headers.get("delivery_info") or {}).get("priority")
     return int(value) if isinstance(value, int) else 0

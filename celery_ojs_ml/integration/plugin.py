@@ -226,10 +226,23 @@ class OJSML(Submitting):
     # -- RFC 27 requests on the pending set ---------------------------------------------------
 
     def prioritize(self, task_id: str, priority: int) -> bool:
-        """RFC 27 prioritize: reorder a waiting job; False when it does not wait."""
-        from celery_ojs_ml.pending import PendingBook
+        """RFC 27 prioritize: reorder a job no worker has started; False when none waits.
 
-        changed = PendingBook(self.store).prioritize(task_id, priority)
+        A job assigned but not started yet (delivered ahead with `ojs_ml_prefetch`, or
+        held while its victims yield) is taken back first, fenced by its token, so it
+        is placed again in its new order; a gate that starts it first wins.
+        """
+        from celery_ojs_ml.pending import ASSIGNED, PendingBook
+
+        book = PendingBook(self.store)
+        changed = book.prioritize(task_id, priority)
+        if not changed:
+            record = book.get(task_id) or {}
+            token = record.get("token")
+            if record.get("state") == ASSIGNED and token:
+                why = f"prioritized to {int(priority)}: placed again in its new order"
+                if book.take_back(task_id, str(token), why, cool=False):
+                    changed = book.prioritize(task_id, priority)
         if changed:
             self._wake()
         return changed

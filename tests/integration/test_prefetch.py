@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 
+from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
@@ -165,4 +166,35 @@ def test_a_taken_back_copy_held_at_the_gate_does_not_block_the_jobs_held_behind_
     assert all(start - first_end < 2.0 for start in later), (
         f"the held jobs waited {[round(s - first_end, 2) for s in later]} s after GPUs freed"
     )
+    app.close()
+
+
+def test_prioritize_moves_a_prefetched_job_ahead_of_those_prefetched_before_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """RFC 27 prioritize of a job already delivered ahead to a gate: it is taken back
+    (fenced by its token), placed again in its new order, delivered with its new
+    priority, and the gate starts it before the jobs published before it."""
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    book = PendingBook(OJSStore(redis_client, prefix="ojs"))
+    env = {"OJS_TEST_CONF": json.dumps({"ojs_ml_prefetch": 3})}
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2,
+                           extra_env=env)  # fmt: skip
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        blocker = record.apply_async(args=["blocker", 2.0]).id
+        time.sleep(0.5)
+        first, second, last = (record.apply_async(args=[t, 0.1]).id for t in "abc")
+        deadline = time.monotonic() + 10
+        while (book.get(last) or {}).get("state") != "assigned":
+            assert time.monotonic() < deadline, book.get(last)
+            time.sleep(0.05)
+        assert app.ojs_ml.prioritize(last, 9), "an assigned job not started yet is reordered"
+        deadline = time.monotonic() + 30
+        while redis_client.llen(RESULTS_KEY) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([blocker, first, second, last]), "a job was lost or ran twice"
+    assert runs[last]["start"] < runs[first]["start"] < runs[second]["start"], runs
     app.close()
