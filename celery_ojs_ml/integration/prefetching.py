@@ -13,6 +13,11 @@ Key decisions:
   has not started when a worker other than its holder can start it now, with
   the capacity the pass left there. It is placed again in the next pass,
   without the back-off of a job a gate gave back (`_cooled_at`).
+* A job that ranks above a preemptible job running on the worker it is reserved
+  on is not delivered ahead: it may preempt there once its victims have run
+  `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.
+* A delivered job is `assigned`: RFC 27 prioritize takes it back first (fenced by
+  its token), so it is placed again in its new order (`OJSML.prioritize`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.allocator.model import Demand, rank
 from celery_ojs_ml.integration.fleet_view import pending_job
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
@@ -31,6 +36,8 @@ from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
 from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger("celery_ojs_ml.integration.scheduling")
+
+_ABOVE_EVERY_BAND = 99
 
 
 class Prefetching:
@@ -49,6 +56,7 @@ class Prefetching:
     def _prefetch(
         self,
         decision: Decision,
+        fleet: list[WorkerState],
         records: dict[str, dict[str, Any]],
         jobs: dict[str, PendingJob],
         now: float,
@@ -56,10 +64,13 @@ class Prefetching:
         """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
         holds them and starts them as soon as a job there ends, without a pass between."""
         waiting = self._held_ahead(records)
+        below = _lowest_preemptible(fleet)
         for r in decision.reservations:
             job = jobs.get(r.task_id)
             if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
                 continue
+            if rank(job.band) > below.get(r.worker, _ABOVE_EVERY_BAND):
+                continue  # it may preempt there once its victims are old enough: a pass decides
             if job.not_before > now:  # sitting out a give-back: not sent back at once
                 continue
             if waiting.get(r.worker, 0) >= self.settings.prefetch:
@@ -110,6 +121,16 @@ class Prefetching:
                 del self._prefetched[task_id]
                 left[other] = _less(left[other], Demand.of(job.req))
                 self._dirty = True
+
+
+def _lowest_preemptible(fleet: list[WorkerState]) -> dict[str, int]:
+    """Per worker, the rank of the lowest band among its preemptible running jobs."""
+    out: dict[str, int] = {}
+    for worker in fleet:
+        ranks = [rank(r.band) for r in worker.running if r.preemptible]
+        if ranks:
+            out[worker.name] = min(ranks)
+    return out
 
 
 def _starts_now(

@@ -317,7 +317,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
                 self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
             if self.settings.prefetch:
                 self._unhold(decision, fleet, records, jobs)
-                self._prefetch(decision, records, jobs, now)
+                self._prefetch(decision, fleet, records, jobs, now)
             self._waiting_events(first_seen)  # they ride the same batch
 
     def _place(self, rid: str, worker: str) -> None:

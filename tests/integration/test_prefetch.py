@@ -198,3 +198,41 @@ def test_prioritize_moves_a_prefetched_job_ahead_of_those_prefetched_before_it(
     assert sorted(runs) == sorted([blocker, first, second, last]), "a job was lost or ran twice"
     assert runs[last]["start"] < runs[first]["start"] < runs[second]["start"], runs
     app.close()
+
+
+def test_a_job_that_may_preempt_is_not_delivered_ahead_and_preempts_once_its_victim_is_old(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """A reserved job reserved behind a running spot job is not delivered ahead: a job at a
+    gate cannot be planned a preemption, so it would wait for the spot job's end. It
+    waits in the pending set and preempts once the victim has run the minimum runtime."""
+    app = make_app(redis_url)
+    conf = json.dumps({"ojs_ml_prefetch": 2})
+    env = {"OJS_TEST_CONF": conf, "OJS_TEST_MIN_RUNTIME": "2", "OJS_TEST_CKPT": str(tmp_path)}
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=3,
+                           extra_env=env)  # fmt: skip
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        spot = app.tasks["ml.ckpt_train"].apply_async(
+            args=[30, 0.25], headers={"ext_ml_priority_class": "spot"}
+        ).id
+        deadline = time.monotonic() + 20
+        while not redis_client.llen(f"ojs-test:runs:{spot}"):
+            assert time.monotonic() < deadline, "the spot job never ran"
+            time.sleep(0.05)
+        reserved = app.tasks["ml.record"].apply_async(
+            args=["reserved", 0.2], headers={"ext_ml_priority_class": "reserved"}
+        ).id
+        deadline = time.monotonic() + 20
+        while redis_client.llen(RESULTS_KEY) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        deadline = time.monotonic() + 60
+        while not redis_client.get(f"ojs-test:done:{spot}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    runs = [json.loads(r) for r in redis_client.lrange(f"ojs-test:runs:{spot}", 0, -1)]
+    done = [json.loads(r) for r in redis_client.lrange(RESULTS_KEY, 0, -1)]
+    assert [r["task_id"] for r in done] == [reserved], done
+    assert done[0]["start"] < runs[0]["t0"] + 30 * 0.25, "it waited for the spot job's end"
+    assert len(runs) == 2, "the spot job was preempted once and resumed"
+    log = (tmp_path / "a.log").read_text()
+    assert f"assigned {reserved} to a@test (ahead of capacity" not in log
+    app.close()
