@@ -212,16 +212,20 @@ def test_a_job_that_may_preempt_is_not_delivered_ahead_and_preempts_once_its_vic
     worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=3,
                            extra_env=env)  # fmt: skip
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        spot = app.tasks["ml.ckpt_train"].apply_async(
-            args=[30, 0.25], headers={"ext_ml_priority_class": "spot"}
-        ).id
+        spot = (
+            app.tasks["ml.ckpt_train"]
+            .apply_async(args=[30, 0.25], headers={"ext_ml_priority_class": "spot"})
+            .id
+        )
         deadline = time.monotonic() + 20
         while not redis_client.llen(f"ojs-test:runs:{spot}"):
             assert time.monotonic() < deadline, "the spot job never ran"
             time.sleep(0.05)
-        reserved = app.tasks["ml.record"].apply_async(
-            args=["reserved", 0.2], headers={"ext_ml_priority_class": "reserved"}
-        ).id
+        reserved = (
+            app.tasks["ml.record"]
+            .apply_async(args=["reserved", 0.2], headers={"ext_ml_priority_class": "reserved"})
+            .id
+        )
         deadline = time.monotonic() + 20
         while redis_client.llen(RESULTS_KEY) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
