@@ -130,10 +130,10 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
         reservations=(Reservation("fresh", "w", 110.0), Reservation("returned", "w", 110.0))
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(decision, records, jobs, now=100.0)
+    Leader()._prefetch(decision, [], records, jobs, now=100.0)
     assert sent == ["fresh"]
     sent.clear()
-    Leader()._prefetch(decision, records, jobs, now=106.0)
+    Leader()._prefetch(decision, [], records, jobs, now=106.0)
     assert sent == ["fresh", "returned"], "sent ahead once its back-off is over"
 
 
