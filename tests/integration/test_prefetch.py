@@ -137,6 +137,44 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
     assert sent == ["fresh", "returned"], "sent ahead once its back-off is over"
 
 
+def test_a_job_ranked_above_a_preemptible_job_on_its_worker_is_not_prefetched() -> None:
+    """It may preempt there once the victim is old enough, which only a pass plans; a job
+    of the same band as the running one (it cannot preempt it) is still sent ahead."""
+    from types import SimpleNamespace
+
+    from celery_ojs_ml.integration.prefetching import Prefetching
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    sent: list[str] = []
+
+    class Leader(Prefetching):
+        def __init__(self) -> None:
+            self.settings = SimpleNamespace(prefetch=2)
+            self._prefetched = {}
+            self._dirty = False
+
+        def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
+            sent.append(task_id)
+
+    spot = RunningJob("victim", "spot", started_at=90.0, gpus=1, preemptible=True)
+    fleet = [WorkerState.of("w", worker_with(gpus=1), [spot])]
+    jobs = {
+        "urgent": PendingJob("urgent", normalize({"ext_ml_gpu_count": 1,
+                             "ext_ml_priority_class": "reserved"}).requirements),
+        "cheap": PendingJob("cheap", normalize({"ext_ml_gpu_count": 1,
+                            "ext_ml_priority_class": "spot"}).requirements),
+    }  # fmt: skip
+    decision = Decision(
+        reservations=(Reservation("urgent", "w", 110.0), Reservation("cheap", "w", 110.0))
+    )
+    records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+    Leader()._prefetch(decision, fleet, records, jobs, now=100.0)
+    assert sent == ["cheap"]
+
+
 def test_a_taken_back_copy_held_at_the_gate_does_not_block_the_jobs_held_behind_it(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
