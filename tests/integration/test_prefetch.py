@@ -100,17 +100,11 @@ def test_a_prefetching_worker_reads_that_many_more_messages_ahead(
     app.close()
 
 
-def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
-    """A reserved job in its give-back back-off keeps its reservation (and its place), but
-    is not delivered ahead to the worker: the back-off exists so a job a gate disagrees
-    on does not bounce back there on every pass."""
+def _leader(sent: list[str]) -> Any:
+    """A `Prefetching` leader (prefetch 2) that records what it would deliver in `sent`."""
     from types import SimpleNamespace
 
     from celery_ojs_ml.integration.prefetching import Prefetching
-    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
-    from celery_ojs_ml.spec.normalize import normalize
-
-    sent: list[str] = []
 
     class Leader(Prefetching):
         def __init__(self) -> None:
@@ -120,6 +114,19 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
 
         def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
             sent.append(task_id)
+
+    return Leader
+
+
+def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
+    """A reserved job in its give-back back-off keeps its reservation (and its place), but
+    is not delivered ahead to the worker: the back-off exists so a job a gate disagrees
+    on does not bounce back there on every pass."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.spec.normalize import normalize
+
+    sent: list[str] = []
+    Leader = _leader(sent)
 
     req = normalize({"ext_ml_gpu_count": 1}).requirements
     jobs = {
@@ -140,24 +147,13 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
 def test_a_job_ranked_above_a_preemptible_job_on_its_worker_is_not_prefetched() -> None:
     """It may preempt there once the victim is old enough, which only a pass plans; a job
     of the same band as the running one (it cannot preempt it) is still sent ahead."""
-    from types import SimpleNamespace
-
-    from celery_ojs_ml.integration.prefetching import Prefetching
     from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, RunningJob
     from celery_ojs_ml.scheduler.model import WorkerState
     from celery_ojs_ml.spec.normalize import normalize
     from celery_ojs_ml.testing.builders import worker_with
 
     sent: list[str] = []
-
-    class Leader(Prefetching):
-        def __init__(self) -> None:
-            self.settings = SimpleNamespace(prefetch=2)
-            self._prefetched = {}
-            self._dirty = False
-
-        def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
-            sent.append(task_id)
+    Leader = _leader(sent)
 
     spot = RunningJob("victim", "spot", started_at=90.0, gpus=1, preemptible=True)
     fleet = [WorkerState.of("w", worker_with(gpus=1), [spot])]
