@@ -95,9 +95,9 @@ class PassInputs:
         if at - self._full_pass_at >= self.settings.full_pass_s:
             self._full_pass_at = at
             return self.policy
-        # `Policy.settle` (stop early) is built and tested in the core but not used here: with
-        # it on, the starvation test failed once (docs/performance.md, ninth session); the
-        # same failure without it was the `overdue_s` guess, fixed since; not tried again.
+        # `Policy.settle` (stop early) is built and tested in the core but not used here: on
+        # again after the `overdue_s` fix it passed the starvation test 12 of 12 but gave no
+        # inference gain beyond noise (docs/performance.md, tenth session).
         return replace(self.policy, queue_depth=self.settings.queue_depth)
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:

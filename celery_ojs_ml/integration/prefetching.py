@@ -33,11 +33,10 @@ from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
+from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.spec.resources import MLRequirements
 
 log = logging.getLogger("celery_ojs_ml.integration.scheduling")
-
-_ABOVE_EVERY_BAND = 99
 
 
 class Prefetching:
@@ -64,12 +63,12 @@ class Prefetching:
         """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
         holds them and starts them as soon as a job there ends, without a pass between."""
         waiting = self._held_ahead(records)
-        below = _lowest_preemptible(fleet)
+        below = {w.name: lowest_preemptible(w.running) for w in fleet}
         for r in decision.reservations:
             job = jobs.get(r.task_id)
             if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
                 continue
-            if rank(job.band) > below.get(r.worker, _ABOVE_EVERY_BAND):
+            if r.worker in below and rank(job.band) > below[r.worker]:
                 continue  # it may preempt there once its victims are old enough: a pass decides
             if job.not_before > now:  # sitting out a give-back: not sent back at once
                 continue
@@ -121,16 +120,6 @@ class Prefetching:
                 del self._prefetched[task_id]
                 left[other] = _less(left[other], Demand.of(job.req))
                 self._dirty = True
-
-
-def _lowest_preemptible(fleet: list[WorkerState]) -> dict[str, int]:
-    """Per worker, the rank of the lowest band among its preemptible running jobs."""
-    out: dict[str, int] = {}
-    for worker in fleet:
-        ranks = [rank(r.band) for r in worker.running if r.preemptible]
-        if ranks:
-            out[worker.name] = min(ranks)
-    return out
 
 
 def _starts_now(

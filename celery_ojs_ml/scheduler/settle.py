@@ -9,10 +9,10 @@ backfill pass; here the full pass every `ojs_ml_full_pass_s` decides them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from celery_ojs_ml.allocator.model import rank
-from celery_ojs_ml.scheduler.model import PendingJob, Policy
+from celery_ojs_ml.scheduler.model import PendingJob, Policy, RunningJob
 from celery_ojs_ml.scheduler.slot import Slot
 from celery_ojs_ml.spec.resources import gpu_share
 
@@ -36,8 +36,12 @@ def may_settle(
 def lowest_band(slots: Sequence[Slot]) -> int:
     """The rank of the lowest band among preemptible running jobs (a job ranked above
     it could preempt); above every band when none runs."""
-    ranks = [rank(r.band) for s in slots for r in s.state.running if r.preemptible]
-    return min(ranks, default=_ABOVE_EVERY_BAND)
+    return lowest_preemptible(r for s in slots for r in s.state.running)
+
+
+def lowest_preemptible(running: Iterable[RunningJob]) -> int:
+    """`lowest_band` of these running jobs: a job whose band ranks above it may preempt."""
+    return min((rank(r.band) for r in running if r.preemptible), default=_ABOVE_EVERY_BAND)
 
 
 def settling(
