@@ -16,6 +16,11 @@ Key decisions:
 * A job that ranks above a preemptible job running on the worker it is reserved
   on is not delivered ahead: it may preempt there once its victims have run
   `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.
+* Fleet order holds at the gate too. The gate starts what it holds as soon as
+  it fits, so once a job reserved on a worker is not sent ahead (for any of the
+  reasons above), no job after it in order is sent there in that pass; and a
+  prefetched job is taken back when a job ahead of it in order (one published
+  later in a higher band or priority) now waits for the same worker.
 * A delivered job is `assigned`: RFC 27 prioritize takes it back first (fenced by
   its token), so it is placed again in its new order (`OJSML.prioritize`).
 """
@@ -33,6 +38,7 @@ from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
+from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.spec.resources import MLRequirements
 
@@ -64,18 +70,36 @@ class Prefetching:
         holds them and starts them as soon as a job there ends, without a pass between."""
         waiting = self._held_ahead(records)
         below = {w.name: lowest_preemptible(w.running) for w in fleet}
+        shut: set[str] = set()
+        """Workers where a job reserved earlier in order was not sent ahead: one sent after
+        it would start there first (the gate starts what it holds), so none is."""
         for r in decision.reservations:
+            if r.worker in shut:
+                continue
             job = jobs.get(r.task_id)
-            if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
+            if not self._may_send_ahead(job, r.worker, below, waiting, now):
+                shut.add(r.worker)
                 continue
-            if r.worker in below and rank(job.band) > below[r.worker]:
-                continue  # it may preempt there once its victims are old enough: a pass decides
-            if job.not_before > now:  # sitting out a give-back: not sent back at once
-                continue
-            if waiting.get(r.worker, 0) >= self.settings.prefetch:
-                continue
+            assert job is not None
             waiting[r.worker] = waiting.get(r.worker, 0) + 1
             self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True)
+
+    def _may_send_ahead(
+        self,
+        job: PendingJob | None,
+        worker: str,
+        below: dict[str, int],
+        waiting: dict[str, int],
+        now: float,
+    ) -> bool:
+        """Whether a job reserved on `worker` may wait at its gate (see module doc)."""
+        if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
+            return False
+        if worker in below and rank(job.band) > below[worker]:
+            return False  # it may preempt there once its victims are old enough: a pass decides
+        if job.not_before > now:  # sitting out a give-back: not sent back at once
+            return False
+        return waiting.get(worker, 0) < int(self.settings.prefetch)
 
     def _held_ahead(self, records: dict[str, dict[str, Any]]) -> dict[str, int]:
         """Prefetched jobs not started yet, per worker."""
@@ -99,6 +123,7 @@ class Prefetching:
         held = [(t, w) for t, w in self._prefetched.items() if t not in jobs]
         if not held:
             return
+        first = _first_reserved(decision, jobs)
         left = {w.name: w.free for w in fleet}
         for a in decision.assignments:
             job = jobs.get(a.task_id)
@@ -111,15 +136,41 @@ class Prefetching:
             job = pending_job(task_id, record, self.parse)
             if job is None:
                 continue
+            ahead = first.get(holder)
+            if ahead is not None and ahead[0] < order_key(job):
+                why = f"{ahead[1]}, ahead of it in fleet order, waits for {holder}"
+                self._take_back_held(task_id, holder, record, why)
+                continue
             other = _starts_now(job, fleet, left, holder)
             if other is None:
                 continue
             why = f"{other} can start it now, {holder} is still busy"
-            if self.book.take_back(task_id, str(record.get("token")), why, cool=False):
-                log.info("ojs-ml: took prefetched %s back from %s: %s", task_id, holder, why)
-                del self._prefetched[task_id]
+            if self._take_back_held(task_id, holder, record, why):
                 left[other] = _less(left[other], Demand.of(job.req))
-                self._dirty = True
+
+    def _take_back_held(self, task_id: str, holder: str, record: dict[str, Any], why: str) -> bool:
+        """Take a prefetched job back from its gate (fenced by its token)."""
+        if not self.book.take_back(task_id, str(record.get("token")), why, cool=False):
+            return False
+        log.info("ojs-ml: took prefetched %s back from %s: %s", task_id, holder, why)
+        del self._prefetched[task_id]
+        self._dirty = True
+        return True
+
+
+def _first_reserved(
+    decision: Decision, jobs: dict[str, PendingJob]
+) -> dict[str, tuple[OrderKey, str]]:
+    """Per worker, the fleet-order key and id of the first waiting job reserved on it."""
+    out: dict[str, tuple[OrderKey, str]] = {}
+    for r in decision.reservations:
+        job = jobs.get(r.task_id)
+        if job is None:
+            continue
+        key = order_key(job)
+        if r.worker not in out or key < out[r.worker][0]:
+            out[r.worker] = (key, r.task_id)
+    return out
 
 
 def _starts_now(

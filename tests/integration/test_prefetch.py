@@ -77,6 +77,41 @@ def test_a_prefetched_job_is_taken_back_when_another_worker_can_start_it_first(
     app.close()
 
 
+def test_a_job_published_later_in_a_higher_band_starts_before_a_job_prefetched_ahead_of_it(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Order rule 1 with prefetch: a spot job waits at the only worker's gate behind a
+    running one; a reserved-band job published next must start first. The leader takes
+    the spot job back (the gate would start it the moment the GPU frees)."""
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    conf = json.dumps({"ojs_ml_prefetch": 1})
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2,
+                           extra_env={"OJS_TEST_CONF": conf})  # fmt: skip
+    spot = {"ext_ml_priority_class": "spot"}
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        first = record.apply_async(args=["first", 2.5], headers=spot)
+        time.sleep(0.6)
+        cheap = record.apply_async(args=["cheap", 0.2], headers=spot)
+        deadline = time.monotonic() + 10
+        log = tmp_path / "a.log"
+        while f"holding {cheap.id}" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"holding {cheap.id}" in log.read_text(), "the spot job was not sent ahead"
+        urgent = record.apply_async(
+            args=["urgent", 0.2], headers={"ext_ml_priority_class": "reserved"}
+        )
+        deadline = time.monotonic() + 60
+        while redis_client.llen(RESULTS_KEY) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([first.id, cheap.id, urgent.id]), "a job was lost or ran twice"
+    assert runs[urgent.id]["start"] < runs[cheap.id]["start"], "the spot job overtook it"
+    assert f"took prefetched {cheap.id} back" in log.read_text()
+    app.close()
+
+
 def test_a_prefetching_worker_reads_that_many_more_messages_ahead(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -146,7 +181,9 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
 
 def test_a_job_ranked_above_a_preemptible_job_on_its_worker_is_not_prefetched() -> None:
     """It may preempt there once the victim is old enough, which only a pass plans; a job
-    of the same band as the running one (it cannot preempt it) is still sent ahead."""
+    after it in order is not sent ahead either (the gate would start it first, if the
+    victim ended), and a job of the running one's band (it cannot preempt it) reserved
+    there with nothing ahead of it is still sent ahead."""
     from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, RunningJob
     from celery_ojs_ml.scheduler.model import WorkerState
     from celery_ojs_ml.spec.normalize import normalize
@@ -168,7 +205,76 @@ def test_a_job_ranked_above_a_preemptible_job_on_its_worker_is_not_prefetched() 
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
     Leader()._prefetch(decision, fleet, records, jobs, now=100.0)
+    assert sent == [], "a job was sent ahead of one before it in order on its worker"
+    alone = Decision(reservations=(Reservation("cheap", "w", 110.0),))
+    Leader()._prefetch(alone, fleet, records, jobs, now=100.0)
     assert sent == ["cheap"]
+
+
+def test_once_a_reserved_job_is_not_sent_ahead_no_later_job_is_sent_to_that_worker() -> None:
+    """Fleet order at the gate (docs/scheduling.md, order rule 1): a gang rank reserved on
+    `w` cannot be prefetched, so the 1-GPU job after it is not sent there either (the gate
+    would start it first and delay the gang); another worker's reservations still are."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.spec.normalize import normalize
+
+    sent: list[str] = []
+    Leader = _leader(sent)
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    jobs = {
+        "rank0": PendingJob("rank0", req, submitted_at=1.0, gang="g", gang_size=2, rank=0),
+        "small": PendingJob("small", req, submitted_at=2.0),
+        "other": PendingJob("other", req, submitted_at=3.0),
+    }
+    decision = Decision(
+        reservations=(
+            Reservation("rank0", "w", 110.0),
+            Reservation("small", "w", 110.0),
+            Reservation("other", "v", 110.0),
+        )
+    )
+    records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+    Leader()._prefetch(decision, [], records, jobs, now=100.0)
+    assert sent == ["other"]
+
+
+def test_a_prefetched_job_is_taken_back_when_a_job_ahead_of_it_in_order_waits_for_its_worker() -> (
+    None
+):
+    """A spot job waits at `w`'s gate; a reserved-band job published after it is reserved on
+    `w`. The gate would start the spot job first, so the leader takes it back (fenced by
+    its token); a prefetched job with nothing ahead of it on its worker stays."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.spec.normalize import normalize
+
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    taken: list[tuple[str, str, str]] = []
+
+    class Book:
+        def take_back(self, task_id: str, token: str, why: str, cool: bool = True) -> bool:
+            taken.append((task_id, token, why))
+            return True
+
+    leader = _leader([])()
+    leader.book = Book()  # type: ignore[attr-defined]
+    leader.parse = lambda headers: req  # type: ignore[attr-defined]
+
+    def held(band: str, at: float, worker: str) -> dict[str, Any]:
+        meta = {"band": band, "submitted_at": at, "queue": "celery"}
+        return {"state": "assigned", "worker": worker, "token": "t1", "meta": meta,
+                "msg": {"headers": {}}}  # fmt: skip
+
+    records = {"spot": held("spot", 1.0, "w"), "calm": held("spot", 1.5, "v")}
+    leader._prefetched = {"spot": "w", "calm": "v"}
+    urgent = PendingJob("urgent", req, submitted_at=5.0, band="reserved")
+    later = PendingJob("later", req, submitted_at=6.0, band="spot")
+    decision = Decision(
+        reservations=(Reservation("urgent", "w", 110.0), Reservation("later", "v", 110.0))
+    )
+    leader._unhold(decision, [], records, {"urgent": urgent, "later": later})
+    assert [t[0] for t in taken] == ["spot"], taken
+    assert taken[0][1] == "t1" and "urgent, ahead of it in fleet order" in taken[0][2]
+    assert leader._prefetched == {"calm": "v"}
 
 
 def test_a_taken_back_copy_held_at_the_gate_does_not_block_the_jobs_held_behind_it(
