@@ -315,19 +315,27 @@ class PendingBook(Admitting, LeaderLock, Reading):
         """The scheduler takes back an assignment its worker did not start (fenced by token)."""
         return self.give_back(task_id, token, reason, cool=cool)
 
-    def annotate(self, notes: Mapping[str, tuple[str, float | None, str | None]]) -> None:
-        """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip."""
+    def annotate(
+        self, notes: Mapping[str, tuple[str, float | None, str | None]], *, ahead: bool = False
+    ) -> None:
+        """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip.
+        `ahead`: the jobs were delivered ahead of capacity and wait at `worker`'s gate."""
         if not notes:
             return
         with self._r.pipeline(transaction=False) as pipe:
-            self._annotations(pipe, notes)
+            self._annotations(pipe, notes, ahead)
             pipe.execute()
 
     def _annotations(
-        self, pipe: Any, notes: Mapping[str, tuple[str, float | None, str | None]]
+        self,
+        pipe: Any,
+        notes: Mapping[str, tuple[str, float | None, str | None]],
+        ahead: bool = False,
     ) -> None:
         for task_id, (reason, t_est, worker) in notes.items():
-            note = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
+            note: dict[str, Any] = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
+            if ahead:
+                note["ahead"] = True
             pipe.hset(self._key(task_id), "annotation", json.dumps(note))
 
     def cancel(self, task_id: str) -> bool:

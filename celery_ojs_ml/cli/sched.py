@@ -53,13 +53,18 @@ def entry(record: dict[str, Any]) -> dict[str, Any]:
     """One pending-set record as shown by `status` and `explain` (RFC 27 annotations)."""
     meta = record.get("meta") or {}
     note = record.get("annotation") or {}
-    assigned = record.get("state") == "assigned"
+    # A job delivered ahead of capacity (`ojs_ml_prefetch`) is assigned but still waits,
+    # at its worker's gate: it is shown waiting, with the reason and estimate of the
+    # pass that sent it there.
+    ahead = record.get("state") == "assigned" and bool(note.get("ahead"))
+    assigned = record.get("state") == "assigned" and not ahead
     reason = note.get("reason_pending") or record.get("reason")
     return {
         "state": "assigned" if assigned else "pending",
         "reason_pending": None if assigned else (reason or "waiting for the scheduler's pass"),
         "t_estimate": None if assigned else note.get("t_estimate"),
-        "worker": record.get("worker") if assigned else note.get("worker"),
+        "worker": record.get("worker") if assigned or ahead else note.get("worker"),
+        "ahead": ahead,
         "task": meta.get("task"),
         "queue": meta.get("queue"),
         "band": meta.get("band"),

@@ -117,12 +117,15 @@ class Delivery:
         now: float,
         *,
         prefetch: bool = False,
-    ) -> None:
+    ) -> bool:
+        """Assign and publish one job; False where it was not pending any more."""
         out = self._outgoing(task_id, worker, record, victims, prefetch)
-        if self.book.assign(
+        if not self.book.assign(
             task_id, worker, now=now, victims=victims, token=out.token, push=out.push
         ):
-            self._sent(out, job, now)
+            return False
+        self._sent(out, job, now)
+        return True
 
     def _deliver_all(
         self,

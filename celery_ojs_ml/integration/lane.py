@@ -29,8 +29,9 @@ Key decisions:
   script finds the record the admission just wrote). Anything else (a job
   that must wait, a preemption, a denial, a gang rank, a reservation's job)
   falls back to a full pass, which reads everything again; nothing was
-  written. Budgets, fair-share weights and prefetch need the full pass's
-  accounting, so the lane stays shut with them.
+  written. Budgets and fair-share weights need the full pass's accounting,
+  so the lane stays shut with them. Prefetch does not: a fleet with a job
+  delivered ahead is not quiet (the job is in the ledger until it starts).
 * The gate stays the safety net: an assignment that no longer fits is given
   back, as any stale assignment is.
 """
@@ -77,8 +78,8 @@ class Lane:
 
     def _lane_open(self) -> bool:
         """Whether this leader may use the lane at all (see module doc)."""
-        s, p = self.settings, self.policy
-        return self._direct is not None and not (s.prefetch or p.budgets or p.weights)
+        p = self.policy
+        return self._direct is not None and not (p.budgets or p.weights)
 
     def _quiet(self, live: dict[str, Any], leases: list[Any]) -> None:
         """A pass found nothing waiting or assigned: keep its fleet for the next arrival."""

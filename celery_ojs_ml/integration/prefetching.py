@@ -4,10 +4,15 @@ A mixin of `scheduling.FleetScheduler`, split out of it to keep modules small;
 every attribute below is set by `FleetScheduler.__init__`.
 
 Key decisions:
-* Only jobs that hold a reservation on a worker (the next in fleet order
-  there) are delivered ahead, at most `ojs_ml_prefetch` per worker; the gate
-  holds them and starts one the moment a job there ends, with no pass between.
-  A gate that starts one wakes the leader, which then sends the next.
+* Only the next jobs in fleet order planned on a worker (its reservation, then
+  the shadow estimates that start there soonest, `Decision.planned`) are
+  delivered ahead, at most `ojs_ml_prefetch` per worker; the gate holds them
+  and starts one the moment a job there ends, with no pass between. A gate
+  that starts one wakes the leader, which then sends the next. Prefetch needs
+  no deeper reservations, so backfill stays as without it.
+* A job delivered ahead is `assigned` in the store but still waits: the pass
+  that sends it writes its annotation with `ahead`, and `explain` shows it
+  waiting, with that reason, start estimate and worker.
 * A prefetched job is never stuck behind a busy worker while another could
   run it: each pass takes back (fenced by its token) every prefetched job that
   has not started when a worker other than its holder can start it now, with
@@ -37,7 +42,7 @@ from celery_ojs_ml.integration.fleet_view import pending_job
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
-from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
+from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -53,8 +58,10 @@ class Prefetching:
     _prefetched: dict[str, str]
     _dirty: bool
 
-    _deliver: Callable[..., None]
+    _deliver: Callable[..., bool]
     """`FleetScheduler._deliver`."""
+    _notes: Any
+    """`FleetScheduler._notes`: the annotations last written, by task id."""
     parse: Callable[[Any], MLRequirements | None]
     """`Intake.parse`."""
 
@@ -71,9 +78,10 @@ class Prefetching:
         waiting = self._held_ahead(records)
         below = {w.name: lowest_preemptible(w.running) for w in fleet}
         shut: set[str] = set()
-        """Workers where a job reserved earlier in order was not sent ahead: one sent after
+        """Workers where a job planned earlier in order was not sent ahead: one sent after
         it would start there first (the gate starts what it holds), so none is."""
-        for r in decision.reservations:
+        notes: dict[str, tuple[str, float | None, str | None]] = {}
+        for r in _planned(decision):
             if r.worker in shut:
                 continue
             job = jobs.get(r.task_id)
@@ -82,7 +90,12 @@ class Prefetching:
                 continue
             assert job is not None
             waiting[r.worker] = waiting.get(r.worker, 0) + 1
-            self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True)
+            if self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True):
+                notes[r.task_id] = _ahead_note(decision, r.task_id, r.worker, r.start)
+        if notes:  # it still waits: `explain` shows why and when, as for any waiting job
+            self.book.annotate(notes, ahead=True)
+            for task_id in notes:  # annotated afresh if it is taken back
+                self._notes[task_id] = ("delivered ahead", None)
 
     def _may_send_ahead(
         self,
@@ -158,12 +171,28 @@ class Prefetching:
         return True
 
 
+def _planned(decision: Decision) -> tuple[Reservation, ...]:
+    """Where waiting jobs would start soonest, in fleet order: reservations and shadow
+    estimates (`Decision.planned`; a decision built with reservations only: those)."""
+    return decision.planned or decision.reservations
+
+
+def _ahead_note(
+    decision: Decision, task_id: str, worker: str, start: float | None
+) -> tuple[str, float | None, str | None]:
+    """The annotation of a job delivered ahead: the pass's reason, and where it waits."""
+    note = decision.annotations.get(task_id)
+    reason = note.reason_pending if note is not None else "waiting for capacity"
+    where = f"delivered ahead to {worker}, whose gate starts it as soon as it fits there"
+    return f"{reason}; {where}", start, worker
+
+
 def _first_reserved(
     decision: Decision, jobs: dict[str, PendingJob]
 ) -> dict[str, tuple[OrderKey, str]]:
-    """Per worker, the fleet-order key and id of the first waiting job reserved on it."""
+    """Per worker, the fleet-order key and id of the first waiting job planned on it."""
     out: dict[str, tuple[OrderKey, str]] = {}
-    for r in decision.reservations:
+    for r in _planned(decision):
         job = jobs.get(r.task_id)
         if job is None:
             continue

@@ -96,8 +96,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self.candidate = candidate or f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         self.admission = Admission(s.parse_options().bounds, s.max_header_bytes)
         self.policy = Policy(
-            # with prefetch, the next jobs in order hold reservations on their workers
-            reservation_depth=max(s.reservation_depth, 16 * s.prefetch),
+            reservation_depth=s.reservation_depth,
             min_runtime_before_preemption_s=s.min_runtime_before_preemption_s,
             allow_on_demand_preemption=s.allow_on_demand_preemption,
             locality_weight=s.locality_weight,

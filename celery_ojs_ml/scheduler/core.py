@@ -193,6 +193,7 @@ class Planner:
         self._open = (-1, True)  # (assignments made when last checked, a GPU free then)
         self._assignments: list[Assignment] = []
         self._reservations: list[Reservation] = []
+        self._planned: list[Reservation] = []
         self._preemptions: list[Preemption] = []
         self._waiting: list[_Waiting] = []
         self._reserved = 0
@@ -297,6 +298,7 @@ class Planner:
         elif found is not None:
             start, slot = found
             self._hold(ask, slot, start, "shadow")
+            self._planned.append(Reservation(ask.job.task_id, slot.name, start))
             self._waiting.append(_Waiting(ask, start, None))
         else:
             self._waiting.append(_Waiting(ask, None, None))
@@ -329,6 +331,7 @@ class Planner:
             slot = drain
         self._hold(ask, slot, self.now if start is None else start, "reserve")
         self._reservations.append(Reservation(ask.job.task_id, slot.name, start))
+        self._planned.append(self._reservations[-1])
         self._waiting.append(_Waiting(ask, start, slot.name))
 
     def _hold(self, ask: Ask, slot: Slot, start: float, kind: HoldKind) -> None:
@@ -363,6 +366,7 @@ class Planner:
             tuple(denials),
             self.budgets.report(),
             dict(self.escalated),
+            tuple(self._planned),
         )
 
 

@@ -324,6 +324,10 @@ class Decision:
     """Each budgeted queue's use after the pass (`BudgetBook.report`), for `status`."""
     escalations: Mapping[str, str] = field(default_factory=dict)
     """Jobs this pass saw escalated (§8.4): task id -> the band they were submitted in."""
+    planned: tuple[Reservation, ...] = ()
+    """Where each waiting job with a known start would start soonest, in fleet order: the
+    `reservations`, and the shadow estimates after them (which backfill does not respect).
+    Prefetch sends the first of them on each worker ahead (`integration.prefetching`)."""
 
     def assigned(self) -> dict[str, str]:
         """task id -> worker of every assignment."""
