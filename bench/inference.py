@@ -3,13 +3,16 @@
 A GPU inference task (`bench/inference_app.py`: simulated CUDA init 0.3 s and
 model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
 
-1. `plugin-warm`: the plugin, one 4-GPU (simulated) worker, `-c 4`,
-   `ojs_ml_recycle_gpu_children="warm"` (the default);
-2. `plugin-prefetch`: plugin-warm with `ojs_ml_prefetch = 4` (the next jobs wait at
-   the worker's gate and start the moment a job ends);
-3. `plugin-retire`: the same with `"cuda"` (a child that initialised CUDA is
+1. `plugin-warm`: the plugin with its defaults, one 4-GPU (simulated) worker,
+   `-c 4`: warm children (`ojs_ml_recycle_gpu_children="warm"`) and
+   `ojs_ml_prefetch = 2` (the next jobs wait at the worker's gate and start the
+   moment a job ends);
+2. `plugin-prefetch`: plugin-warm with `ojs_ml_prefetch = 4`;
+3. `plugin-noprefetch`: plugin-warm with `ojs_ml_prefetch = 0` (every job waits
+   for a scheduler pass after a GPU frees: the default before 2026-11-27);
+4. `plugin-retire`: the defaults with `"cuda"` (a child that initialised CUDA is
    retired after its task: the behaviour before warm children);
-4. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
+5. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
    the model loaded in `worker_process_init` (the usual hand-made setup).
 
 Each variant: a warm-up of 8 requests (not measured), then a burst of
@@ -50,7 +53,9 @@ sys.path.insert(0, str(ROOT))
 from bench.dispatch import private_redis  # noqa: E402
 
 RESULTS_KEY = "ojs-bench:inference"
-VARIANTS = ("plugin-warm", "plugin-prefetch", "plugin-retire", "baseline")
+VARIANTS = ("plugin-warm", "plugin-prefetch", "plugin-noprefetch", "plugin-retire", "baseline")
+_PREFETCH = {"plugin-prefetch": "4", "plugin-noprefetch": "0"}
+"""`ojs_ml_prefetch` of the variants that do not run with the plugin's default."""
 
 
 def workers_for(
@@ -70,7 +75,7 @@ def workers_for(
             procs.append(_start([*cmd, "-c", "1", "-n", f"gpu{i}@bench"], env, logdir / f"{i}.log"))
     else:
         recycle = "cuda" if variant == "plugin-retire" else "warm"
-        prefetch = "4" if variant == "plugin-prefetch" else "0"
+        prefetch = _PREFETCH.get(variant, "")  # "": the plugin's default
         env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle,
                "OJS_BENCH_PREFETCH": prefetch}  # fmt: skip
         argv = [*cmd, "-c", str(gpus), "-n", "gpu@bench"]
@@ -207,10 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"{'variant':15} {'req/s':>8} {'ratio':>6} {'p50 ms':>8} {'+p50':>7} {'p90 ms':>8} "
+    print(f"{'variant':17} {'req/s':>8} {'ratio':>6} {'p50 ms':>8} {'+p50':>7} {'p90 ms':>8} "
           f"{'cold':>5} {'procs':>5}")  # fmt: skip
     for name, r in results.items():
-        print(f"{name:15} {r['throughput']:8.1f} {r.get('throughput_ratio', 0):6.2f} "
+        print(f"{name:17} {r['throughput']:8.1f} {r.get('throughput_ratio', 0):6.2f} "
               f"{r['p50_ms']:8.1f} {r.get('p50_added_ms', 0):7.1f} {r['p90_ms']:8.1f} "
               f"{r['cold_in_burst']:5d} {r['processes']:5d}")  # fmt: skip
     if base and "plugin-warm" in results:

@@ -6,7 +6,7 @@ Environment:
     OJS_BENCH_PLUGIN    "1": `OJSML(app)`; "0": plain Celery (the hand-made baseline)
     OJS_BENCH_RECYCLE   `ojs_ml_recycle_gpu_children` for the plugin ("warm", "cuda")
     OJS_BENCH_PRELOAD   "1": load the model in `worker_process_init` (the baseline's way)
-    OJS_BENCH_PREFETCH  `ojs_ml_prefetch` for the plugin (default 0)
+    OJS_BENCH_PREFETCH  `ojs_ml_prefetch` for the plugin (default: the plugin's, 2)
     OJS_BENCH_REAL      "1": real CUDA through PyTorch on real GPUs (`--real`)
 
 Simulated (the default, for machines without a GPU): per process, the first
@@ -60,7 +60,8 @@ if PLUGIN:
 
     app.conf.ojs_ml_recycle_gpu_children = os.environ.get("OJS_BENCH_RECYCLE", "warm")
     app.conf.ojs_ml_heartbeat_s = 0.5
-    app.conf.ojs_ml_prefetch = int(os.environ.get("OJS_BENCH_PREFETCH", "0"))
+    if os.environ.get("OJS_BENCH_PREFETCH"):  # else the plugin's default
+        app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_PREFETCH"])
     OJSML(app)
 
 

@@ -45,7 +45,7 @@ from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 
@@ -76,7 +76,7 @@ class Prefetching:
         """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
         holds them and starts them as soon as a job there ends, without a pass between."""
         waiting = self._held_ahead(records)
-        below = {w.name: lowest_preemptible(w.running) for w in fleet}
+        room = _room(fleet, _left(decision, fleet, jobs))
         shut: set[str] = set()
         """Workers where a job planned earlier in order was not sent ahead: one sent after
         it would start there first (the gate starts what it holds), so none is."""
@@ -85,7 +85,7 @@ class Prefetching:
             if r.worker in shut:
                 continue
             job = jobs.get(r.task_id)
-            if not self._may_send_ahead(job, r.worker, below, waiting, now):
+            if not self._may_send_ahead(job, room.get(r.worker), waiting.get(r.worker, 0), now):
                 shut.add(r.worker)
                 continue
             assert job is not None
@@ -98,21 +98,21 @@ class Prefetching:
                 self._notes[task_id] = ("delivered ahead", None)
 
     def _may_send_ahead(
-        self,
-        job: PendingJob | None,
-        worker: str,
-        below: dict[str, int],
-        waiting: dict[str, int],
-        now: float,
+        self, job: PendingJob | None, room: tuple[int, int] | None, waiting: int, now: float
     ) -> bool:
-        """Whether a job reserved on `worker` may wait at its gate (see module doc)."""
-        if job is None or job.gang is not None or job.gpu_affinity == "dedicated":
+        """Whether a job planned on a worker may wait at its gate (see module doc);
+        `room`: the worker's `_room`, `waiting`: the jobs already held ahead there."""
+        if job is None or job.gang is not None or job.gpu_affinity == "dedicated" or not room:
             return False
-        if worker in below and rank(job.band) > below[worker]:
+        below, frees = room
+        if rank(job.band) > below:
             return False  # it may preempt there once its victims are old enough: a pass decides
         if job.not_before > now:  # sitting out a give-back: not sent back at once
             return False
-        return waiting.get(worker, 0) < int(self.settings.prefetch)
+        gpus = int(job.req.ext_ml_gpu_count or 0)
+        if gpus < 1 or gpu_share(job.req) is not None or gpus > frees:
+            return False  # held at the gate, it would keep other jobs from backfilling there
+        return waiting < int(self.settings.prefetch)
 
     def _held_ahead(self, records: dict[str, dict[str, Any]]) -> dict[str, int]:
         """Prefetched jobs not started yet, per worker."""
@@ -137,11 +137,7 @@ class Prefetching:
         if not held:
             return
         first = _first_reserved(decision, jobs)
-        left = {w.name: w.free for w in fleet}
-        for a in decision.assignments:
-            job = jobs.get(a.task_id)
-            if job is not None and a.worker in left:
-                left[a.worker] = _less(left[a.worker], Demand.of(job.req))
+        left = _left(decision, fleet, jobs)
         for task_id, holder in held:
             record = records.get(task_id)
             if record is None or record.get("state") != ASSIGNED or record.get("worker") != holder:
@@ -169,6 +165,37 @@ class Prefetching:
         del self._prefetched[task_id]
         self._dirty = True
         return True
+
+
+def _left(
+    decision: Decision, fleet: list[WorkerState], jobs: dict[str, PendingJob]
+) -> dict[str, FreeCapacity]:
+    """Each worker's free capacity less what the pass assigned there."""
+    left = {w.name: w.free for w in fleet}
+    for a in decision.assignments:
+        job = jobs.get(a.task_id)
+        if job is not None and a.worker in left:
+            left[a.worker] = _less(left[a.worker], Demand.of(job.req))
+    return left
+
+
+def _room(fleet: list[WorkerState], left: dict[str, FreeCapacity]) -> dict[str, tuple[int, int]]:
+    """Per worker where jobs may wait ahead: (the rank of its lowest preemptible running
+    band, the GPUs that any one of its running jobs frees when it ends).
+
+    Only a worker the pass left with no free GPU, and whose every running job holds
+    GPUs, gets an entry: a job that fits in what any one job there frees starts at the
+    first end, as a pass would start it, and holding it at the gate costs nothing.
+    A job that needs more would wait there through several ends, and the gate's
+    backfill rule (it knows no time limits) would keep shorter jobs off the GPUs
+    freed meanwhile, which the fleet scheduler backfills (docs/scheduling.md)."""
+    out: dict[str, tuple[int, int]] = {}
+    for w in fleet:
+        gpus = [r.gpus for r in w.running]
+        if not gpus or min(gpus) < 1 or left[w.name].gpus != 0:
+            continue
+        out[w.name] = (lowest_preemptible(w.running), min(gpus))
+    return out
 
 
 def _planned(decision: Decision) -> tuple[Reservation, ...]:

@@ -68,10 +68,11 @@ class OJSMLSettings(BaseModel):
     """Stand for election as the fleet scheduler: "auto" in a child process (a thread where
     the app has no import path or the broker is memory://), "thread" in the worker's main
     process, "off" never."""
-    prefetch: int = Field(default=0, ge=0, le=64)
+    prefetch: int = Field(default=2, ge=0, le=64)
     """Jobs the scheduler may deliver to a worker ahead of free capacity, to wait at its gate
-    and start the moment a job there ends (0: off). They are the jobs first in fleet order
-    that hold a reservation on that worker."""
+    and start the moment a job there ends (0: off). They are the next jobs in fleet order
+    planned on that worker, only while it has no free GPU and each fits in what any one
+    running job there frees (`integration.prefetching`)."""
     model_registry_access: bool = False
     """Advertise `model_registry_access: true` (§4): this worker can fetch any model version,
     so jobs pinned to a version it has not loaded may run here. Default: only loaded ones."""

@@ -124,7 +124,8 @@ def test_a_prefetching_worker_reads_that_many_more_messages_ahead(
     workers = [
         WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
                       extra_env=env),
-        WorkerProcess("b", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2),
+        WorkerProcess("b", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env={"OJS_TEST_CONF": json.dumps({"ojs_ml_prefetch": 0})}),
     ]  # fmt: skip
     with running(workers, OJSStore(redis_client, prefix="ojs")):
         stats: dict[str, Any] = {}
@@ -153,6 +154,19 @@ def _leader(sent: list[str]) -> Any:
     return Leader
 
 
+def _full(name: str, gpus: int = 1, each: int = 1) -> Any:
+    """A worker whose every GPU is held by running spot-band jobs of `each` GPUs."""
+    from celery_ojs_ml.scheduler import RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.testing.builders import worker_with
+
+    running = [
+        RunningJob(f"{name}-run{i}", "on-demand", started_at=90.0, gpus=each)
+        for i in range(gpus // each)
+    ]
+    return WorkerState.of(name, worker_with(gpus=gpus), running)
+
+
 def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
     """A reserved job in its give-back back-off keeps its reservation (and its place), but
     is not delivered ahead to the worker: the back-off exists so a job a gate disagrees
@@ -172,10 +186,11 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
         reservations=(Reservation("fresh", "w", 110.0), Reservation("returned", "w", 110.0))
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(decision, [], records, jobs, now=100.0)
+    fleet = [_full("w")]
+    Leader()._prefetch(decision, fleet, records, jobs, now=100.0)
     assert sent == ["fresh"]
     sent.clear()
-    Leader()._prefetch(decision, [], records, jobs, now=106.0)
+    Leader()._prefetch(decision, fleet, records, jobs, now=106.0)
     assert sent == ["fresh", "returned"], "sent ahead once its back-off is over"
 
 
@@ -234,8 +249,34 @@ def test_once_a_reserved_job_is_not_sent_ahead_no_later_job_is_sent_to_that_work
         )
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(decision, [], records, jobs, now=100.0)
+    Leader()._prefetch(decision, [_full("w"), _full("v")], records, jobs, now=100.0)
     assert sent == ["other"]
+
+
+def test_only_a_job_that_starts_at_the_first_end_on_a_full_worker_is_sent_ahead() -> None:
+    """Held at the gate, a job that waits through several ends would keep shorter jobs off
+    the GPUs freed meanwhile (the gate's backfill rule knows no time limits), and on a
+    worker with a free GPU it would keep the backfill the pass allows off that GPU."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    sent: list[str] = []
+    Leader = _leader(sent)
+    one = normalize({"ext_ml_gpu_count": 1}).requirements
+    two = normalize({"ext_ml_gpu_count": 2}).requirements
+    jobs = {"two": PendingJob("two", two, submitted_at=1.0), "one": PendingJob("one", one)}
+    plan = Decision(reservations=(Reservation("two", "w", 110.0), Reservation("one", "w", 111)))
+    records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+    Leader()._prefetch(plan, [_full("w", gpus=4, each=1)], records, jobs, now=100.0)
+    assert sent == [], "a 2-GPU job sent ahead where each end frees 1 GPU (and one after it)"
+    Leader()._prefetch(plan, [_full("w", gpus=4, each=2)], records, jobs, now=100.0)
+    assert sent == ["two", "one"]
+    sent.clear()
+    half = WorkerState.of("w", worker_with(gpus=4), list(_full("w", 2).running))
+    Leader()._prefetch(plan, [half], records, jobs, now=100.0)
+    assert sent == [], "sent ahead to a worker with free GPUs"
 
 
 def test_a_prefetched_job_is_taken_back_when_a_job_ahead_of_it_in_order_waits_for_its_worker() -> (
