@@ -18,6 +18,9 @@ Key decisions:
   has not started when a worker other than its holder can start it now, with
   the capacity the pass left there. It is placed again in the next pass,
   without the back-off of a job a gate gave back (`_cooled_at`).
+* A job escalated (§8.4) is not delivered ahead: its message still carries its
+  old band, which the gate orders held jobs by. It is ordered in its new band
+  when the jobs already waiting at its worker's gate are checked (below).
 * A job that ranks above a preemptible job running on the worker it is reserved
   on is not delivered ahead: it may preempt there once its victims have run
   `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.
@@ -85,7 +88,9 @@ class Prefetching:
             if r.worker in shut:
                 continue
             job = jobs.get(r.task_id)
-            if not self._may_send_ahead(job, room.get(r.worker), waiting.get(r.worker, 0), now):
+            if r.task_id in decision.escalations or not self._may_send_ahead(
+                job, room.get(r.worker), waiting.get(r.worker, 0), now
+            ):  # an escalated job's message still has its old band, which the gate orders by
                 shut.add(r.worker)
                 continue
             assert job is not None
@@ -223,6 +228,9 @@ def _first_reserved(
         job = jobs.get(r.task_id)
         if job is None:
             continue
+        up = job.req.ext_ml_escalation_target_class
+        if r.task_id in decision.escalations and up is not None:  # ordered in its new band
+            job = dataclasses.replace(job, band=up)
         key = order_key(job)
         if r.worker not in out or key < out[r.worker][0]:
             out[r.worker] = (key, r.task_id)

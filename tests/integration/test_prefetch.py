@@ -421,3 +421,54 @@ def test_a_job_that_may_preempt_is_not_delivered_ahead_and_preempts_once_its_vic
     log = (tmp_path / "a.log").read_text()
     assert f"assigned {reserved} to a@test (ahead of capacity" not in log
     app.close()
+
+
+def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_taken_back() -> None:
+    """OJS ML §8.4: escalation changes only the band a pass sees; the job's message keeps
+    its old band, which the gate orders held jobs by. So it is not sent ahead (nor is a
+    job after it, to that worker), and an on-demand job already held at that gate, which
+    it now outranks, is taken back."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.spec.normalize import normalize
+
+    spot = normalize(
+        {"ext_ml_gpu_count": 1, "ext_ml_priority_class": "spot",
+         "ext_ml_priority_escalation": True, "ext_ml_escalation_target_class": "reserved"}
+    ).requirements  # fmt: skip
+    plain = normalize({"ext_ml_gpu_count": 1}).requirements
+    sent: list[str] = []
+    taken: list[str] = []
+
+    class Book:
+        def take_back(self, task_id: str, token: str, why: str, cool: bool = True) -> bool:
+            taken.append(task_id)
+            return True
+
+        def annotate(self, notes: Any, ahead: bool = False) -> None:
+            pass
+
+    leader = _leader(sent)()
+    leader.book = Book()  # type: ignore[attr-defined]
+    leader.parse = lambda headers: plain  # type: ignore[attr-defined]
+    leader._notes = {}  # type: ignore[attr-defined]
+    meta = {"band": "on-demand", "submitted_at": 0.5, "queue": "celery"}
+    records: dict[str, dict[str, Any]] = {
+        "held": {"state": "assigned", "worker": "w", "token": "t", "meta": meta,
+                 "msg": {"headers": {}}},
+        "esc": {"state": "pending"},
+        "next": {"state": "pending"},
+    }  # fmt: skip
+    leader._prefetched = {"held": "w"}
+    jobs = {
+        "esc": PendingJob("esc", spot, submitted_at=1.0, band="spot"),
+        "next": PendingJob("next", plain, submitted_at=2.0, band="on-demand"),
+    }
+    decision = Decision(
+        reservations=(Reservation("esc", "w", 110.0), Reservation("next", "w", 111.0)),
+        escalations={"esc": "spot"},
+    )
+    fleet = [_full("w")]
+    leader._unhold(decision, fleet, records, jobs)
+    assert taken == ["held"], "the held on-demand job would start before the escalated job"
+    leader._prefetch(decision, fleet, records, jobs, now=100.0)
+    assert sent == [], sent
