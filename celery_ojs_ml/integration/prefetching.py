@@ -18,6 +18,10 @@ Key decisions:
   has not started when a worker other than its holder can start it now, with
   the capacity the pass left there. It is placed again in the next pass,
   without the back-off of a job a gate gave back (`_cooled_at`).
+* Only where a job is likely to start within half of `ojs_ml_max_hold_s`: its
+  planned start is that close, or a job ended on that worker that recently
+  (`_turning`). Elsewhere (jobs of minutes) it would be given back by the gate
+  and sent again over and over, to save a few milliseconds.
 * A job escalated (§8.4) is not delivered ahead: its message still carries its
   old band, which the gate orders held jobs by. It is ordered in its new band
   when the jobs already waiting at its worker's gate are checked (below).
@@ -65,6 +69,8 @@ class Prefetching:
     """`FleetScheduler._deliver`."""
     _notes: Any
     """`FleetScheduler._notes`: the annotations last written, by task id."""
+    _turnover: dict[str, tuple[frozenset[str], float]]
+    """Per worker: its running jobs as the last pass saw them, and when one last ended."""
     parse: Callable[[Any], MLRequirements | None]
     """`Intake.parse`."""
 
@@ -80,6 +86,8 @@ class Prefetching:
         holds them and starts them as soon as a job there ends, without a pass between."""
         waiting = self._held_ahead(records)
         room = _room(fleet, _left(decision, fleet, jobs))
+        turning = self._turning(fleet, now)
+        horizon = float(self.settings.max_hold_s) / 2
         shut: set[str] = set()
         """Workers where a job planned earlier in order was not sent ahead: one sent after
         it would start there first (the gate starts what it holds), so none is."""
@@ -88,9 +96,12 @@ class Prefetching:
             if r.worker in shut:
                 continue
             job = jobs.get(r.task_id)
-            if r.task_id in decision.escalations or not self._may_send_ahead(
-                job, room.get(r.worker), waiting.get(r.worker, 0), now
-            ):  # an escalated job's message still has its old band, which the gate orders by
+            soon = r.worker in turning or (r.start is not None and r.start - now <= horizon)
+            if (
+                not soon
+                or r.task_id in decision.escalations  # its message keeps its old band
+                or not self._may_send_ahead(job, room.get(r.worker), waiting.get(r.worker, 0), now)
+            ):
                 shut.add(r.worker)
                 continue
             assert job is not None
@@ -118,6 +129,27 @@ class Prefetching:
         if gpus < 1 or gpu_share(job.req) is not None or gpus > frees:
             return False  # held at the gate, it would keep other jobs from backfilling there
         return waiting < int(self.settings.prefetch)
+
+    def _turning(self, fleet: list[WorkerState], now: float) -> set[str]:
+        """Workers where a running job ended within the last `ojs_ml_max_hold_s / 2`, as
+        the passes saw their leases: a job sent there ahead is likely to start well
+        before its gate gives it back (`ojs_ml_max_hold_s`). Where jobs run for minutes,
+        a job sent ahead would wait there for the next end, be given back, and be sent
+        again, over and over; it waits for a pass instead (a few ms against minutes)."""
+        horizon = float(self.settings.max_hold_s) / 2
+        out: set[str] = set()
+        seen = self._turnover
+        for w in fleet:
+            ids = frozenset(r.task_id for r in w.running)
+            before, ended = seen.get(w.name, (ids, -1e18))
+            if before - ids:
+                ended = now
+            seen[w.name] = (ids, ended)
+            if now - ended <= horizon:
+                out.add(w.name)
+        for name in set(seen) - {w.name for w in fleet}:
+            del seen[name]
+        return out
 
     def _held_ahead(self, records: dict[str, dict[str, Any]]) -> dict[str, int]:
         """Prefetched jobs not started yet, per worker."""

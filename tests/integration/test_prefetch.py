@@ -49,7 +49,8 @@ def test_a_prefetched_job_is_taken_back_when_another_worker_can_start_it_first(
     does not wait there when the other worker frees earlier: the leader takes it back."""
     app = make_app(redis_url)
     record = app.tasks["ml.record"]
-    conf = json.dumps({"ojs_ml_prefetch": 1})
+    # max_hold_s 30: `next`'s planned start (the long job's limit, 6.5 s away) counts as soon
+    conf = json.dumps({"ojs_ml_prefetch": 1, "ojs_ml_max_hold_s": 30})
     env = {"OJS_TEST_CONF": conf}
     workers = [
         WorkerProcess(
@@ -90,7 +91,10 @@ def test_a_job_published_later_in_a_higher_band_starts_before_a_job_prefetched_a
                            extra_env={"OJS_TEST_CONF": conf})  # fmt: skip
     spot = {"ext_ml_priority_class": "spot"}
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        first = record.apply_async(args=["first", 2.5], headers=spot)
+        # a time limit within max_hold_s / 2: the job after it is likely to start soon
+        first = record.apply_async(
+            args=["first", 2.5], headers={**spot, "ext_ml_timeout_seconds": 4}
+        )
         time.sleep(0.6)
         cheap = record.apply_async(args=["cheap", 0.2], headers=spot)
         deadline = time.monotonic() + 10
@@ -144,8 +148,10 @@ def _leader(sent: list[str]) -> Any:
 
     class Leader(Prefetching):
         def __init__(self) -> None:
-            self.settings = SimpleNamespace(prefetch=2)
+            # planned starts up to 15 s away count as soon (half of max_hold_s)
+            self.settings = SimpleNamespace(prefetch=2, max_hold_s=30.0)
             self._prefetched = {}
+            self._turnover = {}
             self._dirty = False
 
         def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
@@ -333,7 +339,11 @@ def test_a_taken_back_copy_held_at_the_gate_does_not_block_the_jobs_held_behind_
     worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=4,
                            extra_env=env)  # fmt: skip
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        ids = [app.tasks["ml.record"].apply_async(args=[f"s{i}", 3.0]).id for i in range(4)]
+        limit = {"ext_ml_timeout_seconds": 4}  # a planned start within max_hold_s / 2
+        ids = [
+            app.tasks["ml.record"].apply_async(args=[f"s{i}", 3.0], headers=limit).id
+            for i in range(4)
+        ]
         deadline = time.monotonic() + 30
         while redis_client.llen(RESULTS_KEY) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -363,7 +373,9 @@ def test_prioritize_moves_a_prefetched_job_ahead_of_those_prefetched_before_it(
     worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2,
                            extra_env=env)  # fmt: skip
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        blocker = record.apply_async(args=["blocker", 2.0]).id
+        blocker = record.apply_async(
+            args=["blocker", 2.0], headers={"ext_ml_timeout_seconds": 4}
+        ).id
         time.sleep(0.5)
         first, second, last = (record.apply_async(args=[t, 0.1]).id for t in "abc")
         deadline = time.monotonic() + 10
@@ -472,3 +484,38 @@ def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_tak
     assert taken == ["held"], "the held on-demand job would start before the escalated job"
     leader._prefetch(decision, fleet, records, jobs, now=100.0)
     assert sent == [], sent
+
+
+def test_a_job_goes_ahead_only_where_it_is_likely_to_start_before_the_gate_gives_it_back() -> None:
+    """Jobs without time limits (no planned start) go ahead only to a worker where a pass
+    saw a running job end within half of `ojs_ml_max_hold_s`; a planned start further
+    away than that is not sent ahead. Elsewhere the gate would give the job back after
+    `ojs_ml_max_hold_s` and it would be sent again, over and over."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    sent: list[str] = []
+    leader = _leader(sent)()
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    jobs = {"j": PendingJob("j", req)}
+    records: dict[str, dict[str, Any]] = {"j": {"state": "pending"}}
+    unknown = Decision(reservations=(Reservation("j", "w", None),))
+    first = _full("w", gpus=2)
+    leader._prefetch(unknown, [first], records, jobs, now=100.0)
+    assert sent == [], "sent ahead with no end seen and no planned start"
+    one_ended = WorkerState.of(
+        "w", worker_with(gpus=2), [*first.running[1:], _full("x").running[0]]
+    )
+    leader._prefetch(unknown, [one_ended], records, jobs, now=101.0)
+    assert sent == ["j"], "a job ended there a second ago"
+    sent.clear()
+    leader._prefetch(unknown, [one_ended], records, jobs, now=140.0)
+    assert sent == [], "no end seen for 39 s (horizon 15 s)"
+    far = Decision(reservations=(Reservation("j", "w", 160.0),))
+    leader._prefetch(far, [one_ended], records, jobs, now=140.0)
+    assert sent == [], "planned start 20 s away"
+    near = Decision(reservations=(Reservation("j", "w", 150.0),))
+    leader._prefetch(near, [one_ended], records, jobs, now=140.0)
+    assert sent == ["j"]
