@@ -35,8 +35,8 @@ infer() {
     cat "$OUT/$2.json"
 }
 if [ -n "${INFER_ONLY:-}" ]; then
-    infer plugin-warm,plugin-prefetch,baseline infer
-    infer baseline,plugin-prefetch,plugin-warm infer2
+    infer plugin-warm,plugin-noprefetch,baseline infer
+    infer baseline,plugin-noprefetch,plugin-warm infer2
     exit 0
 fi
 nvidia-smi --query-gpu=index,name,memory.total,compute_cap,uuid,pci.bus_id,mig.mode.current \
@@ -53,9 +53,9 @@ echo "== probe (CUDA_VISIBLE_DEVICES=-1: no device)"
 CUDA_VISIBLE_DEVICES=-1 $PY -m celery_ojs_ml probe --json > "$OUT/probe_none.json"
 $PY -c "import json,sys; d=json.load(open(sys.argv[1]))['capabilities']; print('gpu:', d.get('gpu'))" \
     "$OUT/probe_none.json"
-echo "== inference: warm children, prefetch, one worker per GPU"
+echo "== inference: the defaults (warm children, prefetch 2), prefetch off, one worker per GPU"
 time $PY bench/inference.py --real --gpus "$GPUS" --burst 200 --sequential 40 \
-    --variants plugin-warm,plugin-prefetch,baseline > "$OUT/infer.txt"
+    --variants plugin-warm,plugin-noprefetch,baseline > "$OUT/infer.txt"
 cat "$OUT/infer.txt"
 $PY bench/inference.py --real --gpus "$GPUS" --burst 200 --sequential 40 \
     --variants baseline,plugin-warm --json > "$OUT/infer.json"

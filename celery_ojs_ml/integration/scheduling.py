@@ -315,7 +315,9 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             for p in decision.preemptions:
                 job = jobs[p.task_id]
                 self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
-            if self.settings.prefetch:
+            # Budgets and fair-share weights count an assigned job as holding its GPUs:
+            # a job waiting ahead at a gate would use up its queue's share while it waits.
+            if self.settings.prefetch and not (self.policy.budgets or self.policy.weights):
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, fleet, records, jobs, now)
             self._waiting_events(first_seen)  # they ride the same batch
