@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (see below)
 import pytest
 import redis
 
@@ -20,6 +21,11 @@ from celery_ojs_ml.store import OJSStore
 from tests.helpers import free_port, stop_process
 
 _REDIS_START_TIMEOUT_S = 10.0
+
+# hypothesis is imported above, before any test runs: otherwise its pytest plugin imports
+# it (through pytest's assertion rewriting) in the terminal summary, and on CPython 3.11.7
+# that compile can fail with "SystemError: AST constructor recursion depth mismatch" after
+# a test that ran the click CLI, so a run of such a test alone exited 1 although it passed.
 
 
 def _wait_for_ping(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:

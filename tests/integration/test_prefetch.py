@@ -519,3 +519,51 @@ def test_a_job_goes_ahead_only_where_it_is_likely_to_start_before_the_gate_gives
     near = Decision(reservations=(Reservation("j", "w", 150.0),))
     leader._prefetch(near, [one_ended], records, jobs, now=140.0)
     assert sent == ["j"]
+
+
+def test_with_the_defaults_the_next_job_waits_at_the_gate_and_explain_shows_it_waiting(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """`ojs_ml_prefetch` is on by default (2): a job planned to start within
+    `ojs_ml_max_hold_s / 2` on a full worker is sent to its gate ahead of time, `explain
+    --json` shows it `pending` with `ahead`, its worker, a reason and an estimate, and it
+    starts right after the blocker ends, without waiting for a scheduler pass."""
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_ojs_ml.cli.main import cli
+
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    book = PendingBook(OJSStore(redis_client, prefix="ojs"))
+    worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2)
+
+    def explain(task_id: str) -> dict[str, Any]:
+        obj = CLIContext(app=app, no_color=True, workdir=None, quiet=False)
+        args = ["explain", task_id, "--json", "--timeout", "0.5"]
+        result = CliRunner().invoke(cli, args, obj=obj, catch_exceptions=False)
+        return dict(json.loads(result.stdout))
+
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        blocker = record.apply_async(args=["blocker", 2.5], headers={"ext_ml_timeout_seconds": 3})
+        deadline = time.monotonic() + 20
+        while (book.get(blocker.id) or {}).get("state") != "started":
+            assert time.monotonic() < deadline, "the blocker never started"
+            time.sleep(0.05)
+        nxt = record.apply_async(args=["next", 0.1])
+        seen: dict[str, Any] = {}
+        deadline = time.monotonic() + 10
+        while not seen.get("ahead"):
+            assert time.monotonic() < deadline, f"never sent ahead: {seen}"
+            seen = explain(nxt.id)
+            time.sleep(0.1)
+        deadline = time.monotonic() + 20
+        while redis_client.llen(RESULTS_KEY) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([blocker.id, nxt.id]), "a job was lost or ran twice"
+    assert seen["state"] == "pending" and seen["worker"] == "a@test", seen
+    assert "delivered ahead to a@test" in seen["reason_pending"], seen
+    assert abs(seen["t_estimate"] - runs[nxt.id]["start"]) <= 2.0, (seen, runs[nxt.id])
+    assert runs[nxt.id]["start"] - runs[blocker.id]["end"] < 0.5, "it waited for a pass"
+    app.close()
