@@ -78,8 +78,7 @@ class Lane:
 
     def _lane_open(self) -> bool:
         """Whether this leader may use the lane at all (see module doc)."""
-        p = self.policy
-        return self._direct is not None and not (p.budgets or p.weights)
+        return self._direct is not None and not self.policy.counts_assignments
 
     def _quiet(self, live: dict[str, Any], leases: list[Any]) -> None:
         """A pass found nothing waiting or assigned: keep its fleet for the next arrival."""

@@ -82,8 +82,8 @@ class Prefetching:
         jobs: dict[str, PendingJob],
         now: float,
     ) -> None:
-        """Deliver reserved jobs ahead of capacity (`ojs_ml_prefetch` per worker): their gate
-        holds them and starts them as soon as a job there ends, without a pass between."""
+        """Deliver the jobs planned next on busy workers ahead of capacity (`ojs_ml_prefetch`
+        per worker, see module doc): their gate starts them as soon as a job there ends."""
         waiting = self._held_ahead(records)
         room = _room(fleet, _left(decision, fleet, jobs))
         turning = self._turning(fleet, now)

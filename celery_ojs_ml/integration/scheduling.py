@@ -243,7 +243,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._take_back(records, live, now)
         fleet = self._fleet(records, live, leases, now)
         waiting = self._waiting(records, now)
-        counted = self.policy.budgets or self.policy.weights
+        counted = self.policy.counts_assignments
         inflight = self._inflight(records, leases, live) if counted else []
         reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
@@ -315,9 +315,8 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             for p in decision.preemptions:
                 job = jobs[p.task_id]
                 self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
-            # Budgets and fair-share weights count an assigned job as holding its GPUs:
-            # a job waiting ahead at a gate would use up its queue's share while it waits.
-            if self.settings.prefetch and not (self.policy.budgets or self.policy.weights):
+            # A job waiting ahead at a gate would use up its queue's budget or share.
+            if self.settings.prefetch and not self.policy.counts_assignments:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, fleet, records, jobs, now)
             self._waiting_events(first_seen)  # they ride the same batch

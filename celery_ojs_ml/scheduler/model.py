@@ -252,6 +252,12 @@ class Policy:
         found["weights"] = tuple(sorted((getattr(settings, "fair_share", None) or {}).items()))
         return cls(**found)
 
+    @property
+    def counts_assignments(self) -> bool:
+        """Queue GPU budgets or fair-share weights: a pass counts every assigned job as
+        holding its GPUs, so the fast lane and prefetch (whose jobs wait assigned) stay off."""
+        return bool(self.budgets or self.weights)
+
 
 DEFAULT_POLICY = Policy()
 
