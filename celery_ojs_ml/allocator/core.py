@@ -221,9 +221,21 @@ class Allocator(RunningBook):
         return started
 
     def expired(self, max_hold_s: float) -> list[Pending]:
-        """Remove and return requests held longer than `max_hold_s` (the worker requeues them)."""
+        """Remove and return requests held longer than `max_hold_s` (the worker requeues them).
+
+        Each carries the reason it waits for as judged now, as `pump` judges it (the one
+        from the last pump or hold may be stale: capacity changes without a pump when a
+        job starts)."""
         now = self._clock()
-        out = [p for p in self.held() if now - p.since > max_hold_s]
+        out: list[Pending] = []
+        ahead: list[Pending] = []
+        for pending in self.held():
+            seen = self._assess(pending.req, ahead)
+            if seen.verdict is not Verdict.FITS:
+                pending.reason = seen.why
+                ahead.append(pending)
+            if now - pending.since > max_hold_s:
+                out.append(pending)
         for pending in out:
             self.cancel(pending.key)
         return out

@@ -266,6 +266,17 @@ def test_expired_removes_requests_held_longer_than_the_limit() -> None:
     assert [p.task_id for p in a.expired(30)] == ["new"]
 
 
+def test_a_request_held_too_long_carries_the_reason_it_waits_for_now() -> None:
+    clock = FakeClock()
+    a = allocator(clock=clock)
+    run(a, "x", job(gpu_count=2))
+    pending = hold(a, "t", job(gpu_count=3))
+    assert pending.reason == "gpu_count free 2 < 3"
+    run(a, "y", job(gpu_count=2, priority_class="reserved"))  # no pump: the reason is stale
+    clock.advance(31)
+    assert [p.reason for p in a.expired(30)] == ["gpu_count free 0 < 3"]
+
+
 def test_snapshot_is_json_and_shows_devices_free_counts_and_held_reasons() -> None:
     clock = FakeClock(now=7.0)
     a = allocator(clock=clock)
