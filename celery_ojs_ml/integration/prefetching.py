@@ -12,7 +12,8 @@ Key decisions:
   no deeper reservations, so backfill stays as without it.
 * A job delivered ahead is `assigned` in the store but still waits: the pass
   that sends it writes its annotation with `ahead`, and `explain` shows it
-  waiting, with that reason, start estimate and worker.
+  waiting, with that reason, start estimate and worker. Later passes keep its
+  estimate current (`ahead_estimates`): a job ending early there moves it.
 * A prefetched job is never stuck behind a busy worker while another could
   run it: each pass takes back (fenced by its token) every prefetched job that
   has not started when a worker other than its holder can start it now, with
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand, rank
@@ -49,7 +50,7 @@ from celery_ojs_ml.integration.fleet_view import pending_job
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
-from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, WorkerState
+from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
@@ -63,7 +64,10 @@ class Prefetching:
     settings: Any
     book: PendingBook
     _prefetched: dict[str, str]
+    _ahead_notes: dict[str, tuple[str, float | None, str | None]]
+    """The annotation last written for each job delivered ahead, by task id."""
     _dirty: bool
+    policy: Policy
 
     _deliver: Callable[..., bool]
     """`FleetScheduler._deliver`."""
@@ -108,10 +112,38 @@ class Prefetching:
             waiting[r.worker] = waiting.get(r.worker, 0) + 1
             if self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True):
                 notes[r.task_id] = _ahead_note(decision, r.task_id, r.worker, r.start)
+        notes |= self._moved_estimates(fleet, records, set(notes), now)
         if notes:  # it still waits: `explain` shows why and when, as for any waiting job
             self.book.annotate(notes, ahead=True)
+            self._ahead_notes |= notes
             for task_id in notes:  # annotated afresh if it is taken back
                 self._notes[task_id] = ("delivered ahead", None)
+
+    def _moved_estimates(
+        self,
+        fleet: list[WorkerState],
+        records: dict[str, dict[str, Any]],
+        fresh: Collection[str],
+        now: float,
+    ) -> dict[str, tuple[str, float | None, str | None]]:
+        """The notes of jobs delivered ahead in earlier passes whose start estimate moved
+        by more than `_MOVED_S` (`ahead_estimates`); `fresh`: those sent in this pass."""
+        if not self._ahead_notes:
+            return {}
+        held: dict[str, list[tuple[OrderKey, str]]] = {}
+        for task_id, worker in self._prefetched.items():
+            job = pending_job(task_id, records[task_id], self.parse) if task_id in records else None
+            if job is not None:
+                held.setdefault(worker, []).append((order_key(job), task_id))
+        out: dict[str, tuple[str, float | None, str | None]] = {}
+        overdue = self.policy.overdue_s
+        for state in fleet:
+            ids = [t for _, t in sorted(held.get(state.name, []))]
+            for task_id, t in ahead_estimates(state, ids, self._prefetched, now, overdue).items():
+                note = self._ahead_notes.get(task_id)
+                if task_id not in fresh and note is not None and _moved(note[1], t):
+                    out[task_id] = (note[0], t, note[2])
+        return out
 
     def _may_send_ahead(
         self, job: PendingJob | None, room: tuple[int, int] | None, waiting: int, now: float
@@ -158,6 +190,7 @@ class Prefetching:
             record = records.get(task_id)
             if record is None or record.get("state") != ASSIGNED:
                 del self._prefetched[task_id]
+                self._ahead_notes.pop(task_id, None)
             else:
                 out[worker] = out.get(worker, 0) + 1
         return out
@@ -200,8 +233,38 @@ class Prefetching:
             return False
         log.info("ojs-ml: took prefetched %s back from %s: %s", task_id, holder, why)
         del self._prefetched[task_id]
+        self._ahead_notes.pop(task_id, None)
         self._dirty = True
         return True
+
+
+_MOVED_S = 0.5
+"""A start estimate of a job delivered ahead is written again when it moved more."""
+
+
+def ahead_estimates(
+    state: WorkerState, held: Sequence[str], ahead: Collection[str], now: float, overdue_s: float
+) -> dict[str, float | None]:
+    """When each job held ahead at a worker's gate is likely to start; `held`: their ids
+    in the gate's order, `ahead`: every job delivered ahead (their ledger entries are
+    not running jobs).
+
+    The i-th starts when the i-th of the jobs running there ends, by their time limits:
+    each fits in what any one of them frees (`_may_send_ahead`), and the gate starts
+    them in order. A job past its limit ends `overdue_s` from now, as in the policy
+    core; past the known ends the estimate is None (unknown)."""
+    ends = sorted(
+        now + overdue_s if end <= now else end
+        for r in state.running
+        if r.task_id not in ahead and (end := r.ends_at) is not None
+    )
+    return {task_id: ends[i] if i < len(ends) else None for i, task_id in enumerate(held)}
+
+
+def _moved(old: float | None, new: float | None) -> bool:
+    if old is None or new is None:
+        return old is not new
+    return abs(new - old) > _MOVED_S
 
 
 def _left(

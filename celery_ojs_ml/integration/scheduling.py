@@ -138,6 +138,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._rendezvous: dict[str, dict[str, Any]] = {}
         self._gap_s = _MIN_PASS_GAP_S
         self._prefetched: dict[str, str] = {}
+        self._ahead_notes: dict[str, tuple[str, float | None, str | None]] = {}
         self._turnover: dict[str, tuple[frozenset[str], float]] = {}
         self._lane: tuple[float, list[WorkerState]] | None = None
         """A quiet pass's fleet, for the next arrival (`lane`)."""

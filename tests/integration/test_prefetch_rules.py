@@ -18,6 +18,7 @@ def _leader(sent: list[str]) -> Any:
             # planned starts up to 15 s away count as soon (half of max_hold_s)
             self.settings = SimpleNamespace(prefetch=2, max_hold_s=30.0)
             self._prefetched = {}
+            self._ahead_notes = {}
             self._turnover = {}
             self._dirty = False
 
@@ -275,3 +276,73 @@ def test_a_job_goes_ahead_only_where_it_is_likely_to_start_before_the_gate_gives
     near = Decision(reservations=(Reservation("j", "w", 150.0),))
     leader._prefetch(near, [one_ended], records, jobs, now=140.0)
     assert sent == ["j"]
+
+
+def test_the_jobs_held_ahead_at_a_gate_start_in_order_as_the_running_jobs_end() -> None:
+    """The i-th job held ahead starts when the i-th running job ends (by its time limit);
+    a job past its limit ends a second from now (`Policy.overdue_s`), one without a limit
+    frees nothing known, and a ledger entry of a job delivered ahead is not running."""
+    from celery_ojs_ml.integration.prefetching import ahead_estimates
+    from celery_ojs_ml.scheduler import RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.testing.builders import worker_with
+
+    running = [
+        RunningJob("late", "spot", started_at=60.0, gpus=1, time_limit_s=30.0),  # ended at 90
+        RunningJob("long", "spot", started_at=90.0, gpus=1, time_limit_s=30.0),  # ends 120
+        RunningJob("open", "spot", started_at=90.0, gpus=1),  # no limit
+        RunningJob("sent", "spot", started_at=99.0, gpus=1, time_limit_s=5.0),  # held ahead
+    ]
+    state = WorkerState.of("w", worker_with(gpus=4), running)
+    got = ahead_estimates(state, ["a", "b", "c"], {"sent", "a", "b", "c"}, 100.0, 1.0)
+    assert got == {"a": 101.0, "b": 120.0, "c": None}
+
+
+def test_a_later_pass_moves_the_estimate_of_a_job_held_ahead_when_a_job_ends_early() -> None:
+    """Two jobs run on `w` (limits end at 110 and 120); `first` and `second` were sent
+    ahead with those estimates. The 120 one ends early and `first` starts in its place:
+    `second` now waits for the job ending at 110, and the next pass writes that estimate
+    (with the reason it was sent with), once; an estimate that did not move is not
+    written again."""
+    from celery_ojs_ml.scheduler import Decision, Policy, RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    written: list[dict[str, Any]] = []
+
+    class Book:
+        def annotate(self, notes: dict[str, Any], *, ahead: bool = False) -> None:
+            assert ahead
+            written.append(dict(notes))
+
+    leader = _leader([])()
+    leader.book = Book()  # type: ignore[attr-defined]
+    leader.parse = lambda headers: req  # type: ignore[attr-defined]
+    leader.policy = Policy()
+    leader._notes = {}  # type: ignore[attr-defined]
+    meta = {"band": "spot", "submitted_at": 1.0, "queue": "celery"}
+    records = {
+        "first": {"state": "started", "worker": "w", "meta": meta, "msg": {"headers": {}}},
+        "second": {
+            "state": "assigned",
+            "worker": "w",
+            "meta": {**meta, "submitted_at": 2.0},
+            "msg": {"headers": {}},
+        },
+    }
+    leader._prefetched = {"first": "w", "second": "w"}
+    leader._ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
+    leader._ahead_notes["second"] = ("busy; ahead", 120.0, "w")
+    running = [
+        RunningJob("r110", "spot", started_at=80.0, gpus=1, time_limit_s=30.0),
+        RunningJob("first", "spot", started_at=105.0, gpus=1),
+        RunningJob("second", "spot", started_at=100.0, gpus=1, time_limit_s=60.0),  # ledger
+    ]
+    fleet = [WorkerState.of("w", worker_with(gpus=2), running)]
+    leader._prefetch(Decision(), fleet, records, {}, now=105.0)
+    assert written == [{"second": ("busy; ahead", 110.0, "w")}]
+    assert leader._prefetched == {"second": "w"}
+    leader._prefetch(Decision(), fleet, records, {}, now=106.0)
+    assert written == [{"second": ("busy; ahead", 110.0, "w")}], "written once"
