@@ -26,6 +26,10 @@ Key decisions:
 * A job escalated (§8.4) is not delivered ahead: its message still carries its
   old band, which the gate orders held jobs by. It is ordered in its new band
   when the jobs already waiting at its worker's gate are checked (below).
+* A job of a queue with a GPU budget (§10.3) is not delivered ahead, and with
+  fair-share weights none is (`FleetScheduler._carry_out`): both count an
+  assigned job as holding its GPUs, so one waiting at a gate would use up its
+  queue's budget or share.
 * A job that ranks above a preemptible job running on the worker it is reserved
   on is not delivered ahead: it may preempt there once its victims have run
   `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.
@@ -157,6 +161,8 @@ class Prefetching:
             return False  # it may preempt there once its victims are old enough: a pass decides
         if job.not_before > now:  # sitting out a give-back: not sent back at once
             return False
+        if any(queue == job.queue for queue, _ in self.policy.budgets):
+            return False  # waiting assigned, it would hold its queue's GPU budget (§10.3)
         gpus = int(job.req.ext_ml_gpu_count or 0)
         if gpus < 1 or gpu_share(job.req) is not None or gpus > frees:
             return False  # held at the gate, it would keep other jobs from backfilling there

@@ -316,8 +316,9 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             for p in decision.preemptions:
                 job = jobs[p.task_id]
                 self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
-            # A job waiting ahead at a gate would use up its queue's budget or share.
-            if self.settings.prefetch and not self.policy.counts_assignments:
+            # A job waiting ahead at a gate would count in every queue's fair share (and
+            # in its own queue's budget: `_may_send_ahead` keeps those jobs here).
+            if self.settings.prefetch and not self.policy.weights:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, fleet, records, jobs, now)
             self._waiting_events(first_seen)  # they ride the same batch

@@ -12,11 +12,13 @@ def _leader(sent: list[str]) -> Any:
     from types import SimpleNamespace
 
     from celery_ojs_ml.integration.prefetching import Prefetching
+    from celery_ojs_ml.scheduler import Policy
 
     class Leader(Prefetching):
         def __init__(self) -> None:
             # planned starts up to 15 s away count as soon (half of max_hold_s)
             self.settings = SimpleNamespace(prefetch=2, max_hold_s=30.0)
+            self.policy = Policy()
             self._prefetched = {}
             self._ahead_notes = {}
             self._turnover = {}
@@ -151,6 +153,29 @@ def test_only_a_job_that_starts_at_the_first_end_on_a_full_worker_is_sent_ahead(
     half = WorkerState.of("w", worker_with(gpus=4), list(_full("w", 2).running))
     Leader()._prefetch(plan, [half], records, jobs, now=100.0)
     assert sent == [], "sent ahead to a worker with free GPUs"
+
+
+def test_a_job_of_a_queue_with_a_gpu_budget_is_not_sent_ahead_and_other_queues_still_are() -> None:
+    """§10.3: an assigned job holds its queue's budget, so one waiting at a gate would use
+    it up while it waits; a job of another queue on the next worker still goes ahead."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation
+    from celery_ojs_ml.scheduler.budget import Budget
+    from celery_ojs_ml.spec.normalize import normalize
+
+    sent: list[str] = []
+    leader = _leader(sent)()
+    leader.policy = Policy(budgets=(("capped", Budget(max_total_gpus=8)),))
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    jobs = {
+        "capped": PendingJob("capped", req, submitted_at=1.0, queue="capped"),
+        "free": PendingJob("free", req, submitted_at=2.0, queue="celery"),
+    }
+    plan = Decision(
+        reservations=(Reservation("capped", "w", 110.0), Reservation("free", "v", 110.0))
+    )
+    records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+    leader._prefetch(plan, [_full("w"), _full("v")], records, jobs, now=100.0)
+    assert sent == ["free"]
 
 
 def test_a_prefetched_job_is_taken_back_when_a_job_ahead_of_it_in_order_waits_for_its_worker() -> (
