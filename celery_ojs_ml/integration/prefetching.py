@@ -81,6 +81,8 @@ class Prefetching:
     """Per worker: its running jobs as the last pass saw them, and when one last ended."""
     parse: Callable[[Any], MLRequirements | None]
     """`Intake.parse`."""
+    _pending_job: Callable[[str, dict[str, Any]], PendingJob | None]
+    """`PassInputs._pending_job`: a record's parsed job, cached."""
 
     def _prefetch(
         self,
@@ -136,13 +138,18 @@ class Prefetching:
             return {}
         held: dict[str, list[tuple[OrderKey, str]]] = {}
         for task_id, worker in self._prefetched.items():
-            job = pending_job(task_id, records[task_id], self.parse) if task_id in records else None
+            record = records.get(task_id)
+            job = self._pending_job(task_id, record) if record is not None else None
             if job is not None:
                 held.setdefault(worker, []).append((order_key(job), task_id))
+        states = {w.name: w for w in fleet if w.name in held}
         out: dict[str, tuple[str, float | None, str | None]] = {}
         overdue = self.policy.overdue_s
-        for state in fleet:
-            ids = [t for _, t in sorted(held.get(state.name, []))]
+        for worker, keyed in held.items():
+            state = states.get(worker)
+            if state is None:  # gone: the pass takes its jobs back
+                continue
+            ids = [t for _, t in sorted(keyed)]
             for task_id, t in ahead_estimates(state, ids, self._prefetched, now, overdue).items():
                 note = self._ahead_notes.get(task_id)
                 if task_id not in fresh and note is not None and _moved(note[1], t):

@@ -297,3 +297,69 @@ def test_with_the_defaults_the_next_job_waits_at_the_gate_and_explain_shows_it_w
     assert abs(seen["t_estimate"] - runs[nxt.id]["start"]) <= 2.0, (seen, runs[nxt.id])
     assert runs[nxt.id]["start"] - runs[blocker.id]["end"] < 0.5, "it waited for a pass"
     app.close()
+
+
+def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_early(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Two jobs run on a 2-GPU worker, `short` (limit 6 s) and `early` (limit 9 s, but it
+    ends after 3 s). `first` (4 s) and `second` are sent ahead with the estimates of those
+    two ends. Once `early` ends, `first` starts in its place and `second` now waits for
+    `short`: `explain` moves its estimate to `short`'s end (it would have stayed 9 s after
+    the start otherwise), and it starts within a second of that estimate."""
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_ojs_ml.cli.main import cli
+
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    book = PendingBook(OJSStore(redis_client, prefix="ojs"))
+    conf = {"OJS_TEST_CONF": json.dumps({"ojs_ml_max_hold_s": 20})}  # ahead within 10 s
+    worker = WorkerProcess(
+        "a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=4, extra_env=conf
+    )
+
+    def explain(task_id: str) -> dict[str, Any]:
+        obj = CLIContext(app=app, no_color=True, workdir=None, quiet=False)
+        args = ["explain", task_id, "--json", "--timeout", "0.5"]
+        result = CliRunner().invoke(cli, args, obj=obj, catch_exceptions=False)
+        return dict(json.loads(result.stdout))
+
+    def wait_for(what: str, check: Any, timeout_s: float = 20) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not (found := check()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+        return found
+
+    def state(task_id: str) -> Any:
+        return (book.get(task_id) or {}).get("state")
+
+    def both_ahead() -> dict[str, Any] | None:
+        seen = [explain(j.id) for j in (first, second)]
+        return seen[1] if all(s.get("ahead") for s in seen) else None
+
+    with running([worker], OJSStore(redis_client, prefix="ojs")):
+        short = record.apply_async(args=["short", 5.8], headers={"ext_ml_timeout_seconds": 6})
+        early = record.apply_async(args=["early", 3.0], headers={"ext_ml_timeout_seconds": 9})
+        wait_for("a blocker never started", lambda: state(short.id) == state(early.id) == "started")
+        first = record.apply_async(args=["first", 4.0])  # still running when short ends
+        second = record.apply_async(args=["second", 0.1])
+        before = wait_for("not both sent ahead", both_ahead)
+        wait_for("first never started", lambda: state(first.id) == "started")
+
+        def moved() -> dict[str, Any] | None:
+            seen = explain(second.id)
+            t = seen.get("t_estimate")
+            return seen if t is not None and t < before["t_estimate"] - 2 else None
+
+        now = wait_for("the estimate never moved", moved, timeout_s=5)
+        wait_for("not all ran", lambda: redis_client.llen(RESULTS_KEY) >= 4)
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    ids = [short.id, early.id, first.id, second.id]
+    assert sorted(runs) == sorted(ids), "a job was lost or ran twice"
+    assert now["state"] == "pending" and now.get("ahead"), now
+    assert abs(now["t_estimate"] - runs[second.id]["start"]) <= 1.0, (now, runs[second.id])
+    assert runs[second.id]["start"] >= runs[short.id]["end"] - 0.05, "it did not wait for short"
+    app.close()

@@ -24,6 +24,11 @@ def _leader(sent: list[str]) -> Any:
             self._turnover = {}
             self._dirty = False
 
+        def _pending_job(self, task_id: str, record: dict[str, Any]) -> Any:
+            from celery_ojs_ml.integration.fleet_view import pending_job
+
+            return pending_job(task_id, record, self.parse)
+
         def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
             sent.append(task_id)
 
