@@ -225,8 +225,10 @@ class Allocator(RunningBook):
 
         Each carries the reason it waits for as judged now, as `pump` judges it (the one
         from the last pump or hold may be stale: capacity changes without a pump when a
-        job starts)."""
+        job starts). Nothing is assessed when nothing expired (the usual tick)."""
         now = self._clock()
+        if all(now - p.since <= max_hold_s for p in self._held.values()):
+            return []
         out: list[Pending] = []
         ahead: list[Pending] = []
         for pending in self.held():

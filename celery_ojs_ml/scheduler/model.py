@@ -255,7 +255,8 @@ class Policy:
     @property
     def counts_assignments(self) -> bool:
         """Queue GPU budgets or fair-share weights: a pass counts every assigned job as
-        holding its GPUs, so the fast lane and prefetch (whose jobs wait assigned) stay off."""
+        holding its GPUs, so the fast lane stays shut, and prefetch (whose jobs wait
+        assigned) leaves out budgeted queues' jobs, or every job under weights."""
         return bool(self.budgets or self.weights)
 
 
