@@ -302,20 +302,26 @@ def test_with_the_defaults_the_next_job_waits_at_the_gate_and_explain_shows_it_w
 def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_early(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """Two jobs run on a 2-GPU worker, `short` (limit 6 s) and `early` (limit 9 s, but it
-    ends after 3 s). `first` (4 s) and `second` are sent ahead with the estimates of those
+    """Two jobs run on a 2-GPU worker, `short` (limit 8 s) and `early` (limit 12 s, but it
+    ends after 4 s). `first` (5 s) and `second` are sent ahead with the estimates of those
     two ends. Once `early` ends, `first` starts in its place and `second` now waits for
-    `short`: `explain` moves its estimate to `short`'s end (it would have stayed 9 s after
-    the start otherwise), and it starts within a second of that estimate."""
+    `short`: `explain` moves its estimate to `short`'s end (it would have stayed 12 s after
+    the start otherwise), and it starts within a second of that estimate.
+
+    The estimate before is read from the pending set while `early` still runs (read
+    after it), and from the first annotation on: `second` is sent ahead after `first`,
+    and the core plans it as if `first` ran already (one end too early, `short`'s); the
+    pass that sends it gives it the gate's estimate at once (stop 26's CI caught it)."""
     from celery.bin.base import CLIContext
     from click.testing import CliRunner
 
     from celery_ojs_ml.cli.main import cli
+    from celery_ojs_ml.cli.sched import entry
 
     app = make_app(redis_url)
     record = app.tasks["ml.record"]
     book = PendingBook(OJSStore(redis_client, prefix="ojs"))
-    conf = {"OJS_TEST_CONF": json.dumps({"ojs_ml_max_hold_s": 20})}  # ahead within 10 s
+    conf = {"OJS_TEST_CONF": json.dumps({"ojs_ml_max_hold_s": 30})}  # ahead within 15 s
     worker = WorkerProcess(
         "a", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=4, extra_env=conf
     )
@@ -337,16 +343,20 @@ def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_ea
         return (book.get(task_id) or {}).get("state")
 
     def both_ahead() -> dict[str, Any] | None:
-        seen = [explain(j.id) for j in (first, second)]
-        return seen[1] if all(s.get("ahead") for s in seen) else None
+        seen = [entry(book.get(j.id) or {}) for j in (first, second)]
+        if not all(s.get("ahead") for s in seen):
+            return None
+        assert state(early.id) == "started", "early ended before both were seen ahead"
+        return seen[1]
 
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        short = record.apply_async(args=["short", 5.8], headers={"ext_ml_timeout_seconds": 6})
-        early = record.apply_async(args=["early", 3.0], headers={"ext_ml_timeout_seconds": 9})
+        short = record.apply_async(args=["short", 7.8], headers={"ext_ml_timeout_seconds": 8})
+        early = record.apply_async(args=["early", 4.0], headers={"ext_ml_timeout_seconds": 12})
         wait_for("a blocker never started", lambda: state(short.id) == state(early.id) == "started")
-        first = record.apply_async(args=["first", 4.0])  # still running when short ends
+        first = record.apply_async(args=["first", 5.0])  # still running when short ends
         second = record.apply_async(args=["second", 0.1])
         before = wait_for("not both sent ahead", both_ahead)
+        assert before["t_estimate"] is not None, before
         wait_for("first never started", lambda: state(first.id) == "started")
 
         def moved() -> dict[str, Any] | None:
@@ -360,6 +370,7 @@ def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_ea
     ids = [short.id, early.id, first.id, second.id]
     assert sorted(runs) == sorted(ids), "a job was lost or ran twice"
     assert now["state"] == "pending" and now.get("ahead"), now
+    assert abs(before["t_estimate"] - (runs[early.id]["start"] + 12)) <= 1.0, (before, runs)
     assert abs(now["t_estimate"] - runs[second.id]["start"]) <= 1.0, (now, runs[second.id])
     assert runs[second.id]["start"] >= runs[short.id]["end"] - 0.05, "it did not wait for short"
     app.close()

@@ -376,3 +376,50 @@ def test_a_later_pass_moves_the_estimate_of_a_job_held_ahead_when_a_job_ends_ear
     assert leader._prefetched == {"second": "w"}
     leader._prefetch(Decision(), fleet, records, {}, now=106.0)
     assert written == [{"second": ("busy; ahead", 110.0, "w")}], "written once"
+
+
+def test_a_job_sent_ahead_behind_another_gets_the_gates_estimate_in_the_pass_that_sends_it() -> (
+    None
+):
+    """`first` waits ahead at `w` for the end at 110. The core plans `second` on `w` at 110
+    too, as if `first` ran already; at the gate it starts at the next end (120), and that
+    is the estimate written when it is sent (not one pass later)."""
+    from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    written: list[dict[str, Any]] = []
+
+    class Book:
+        def annotate(self, notes: dict[str, Any], *, ahead: bool = False) -> None:
+            written.append(dict(notes))
+
+    class Leader(_leader([])):  # type: ignore[misc]
+        def _deliver(self, task_id: str, worker: str, *args: Any, **kwargs: Any) -> bool:
+            self._prefetched[task_id] = worker
+            return True
+
+    leader = Leader()
+    leader.book = Book()
+    leader.parse = lambda headers: req
+    leader._notes = {}
+    meta = {"band": "on-demand", "submitted_at": 1.0, "queue": "celery"}
+    records = {
+        "first": {"state": "assigned", "worker": "w", "meta": meta, "msg": {"headers": {}}},
+        "second": {"state": "pending", "meta": {**meta, "submitted_at": 2.0}, "msg": {}},
+    }
+    leader._prefetched = {"first": "w"}
+    leader._ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
+    running = [
+        RunningJob("r110", "spot", started_at=80.0, gpus=1, time_limit_s=30.0),
+        RunningJob("r120", "spot", started_at=90.0, gpus=1, time_limit_s=30.0),
+        RunningJob("first", "on-demand", started_at=100.0, gpus=1),  # its ledger entry
+    ]
+    fleet = [WorkerState.of("w", worker_with(gpus=2), running)]
+    jobs = {"second": PendingJob("second", req, band="on-demand", submitted_at=2.0)}
+    plan = Decision(reservations=(Reservation("second", "w", 110.0),))
+    leader._prefetch(plan, fleet, records, jobs, now=105.0)
+    assert leader._prefetched == {"first": "w", "second": "w"}
+    assert [{k: v[1] for k, v in notes.items()} for notes in written] == [{"second": 120.0}]
