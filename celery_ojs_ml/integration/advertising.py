@@ -36,7 +36,7 @@ from celery_ojs_ml.integration.routing import (
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.integration.warm_pool import pool_pids
-from celery_ojs_ml.integration.worker_setup import task_events_on
+from celery_ojs_ml.integration.worker_setup import pool_processes, task_events_on
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.spec.classes import BANDS, hard_constraints
 from celery_ojs_ml.spec.normalize import Bounds, normalize
@@ -102,6 +102,7 @@ class Advertising(Gate):
                 "queues": sorted(self.logical),
                 "address": self.address,
                 "task_events": task_events_on(getattr(self, "c", None)),
+                "processes": pool_processes(getattr(self, "c", None)),
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}

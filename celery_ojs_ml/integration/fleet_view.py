@@ -122,6 +122,16 @@ class Ledger:
                 out.setdefault(entry.worker, []).append(entry.share)
         return out
 
+    def jobs(self) -> dict[str, int]:
+        """Each worker's in-flight jobs that its heartbeat does not show (after `used`):
+        each will take one of its pool processes."""
+        out: dict[str, int] = {}
+        for task_id in self.counted:
+            entry = self.entries.get(task_id)
+            if entry is not None:
+                out[entry.worker] = out.get(entry.worker, 0) + 1
+        return out
+
     def labels(self) -> dict[str, list[Mapping[str, str]]]:
         """Each worker's in-flight jobs' labels (call after `used`, which prunes)."""
         out: dict[str, list[Mapping[str, str]]] = {}
@@ -188,11 +198,13 @@ def worker_states(
     checkpoints: Mapping[str, float] | None = None,
     inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
     inflight_shares: Mapping[str, list[MLRequirements]] | None = None,
+    inflight_jobs: Mapping[str, int] | None = None,
 ) -> list[WorkerState]:
     """Every live worker with its free capacity (less the ledger) and its running jobs.
 
     `checkpoints` maps a running job to when its last checkpoint was committed;
-    `inflight_shares` are GPU shares assigned since a worker's last heartbeat.
+    `inflight_shares` are GPU shares assigned since a worker's last heartbeat, and
+    `inflight_jobs` the number of jobs (`Ledger.jobs`).
     """
     running: dict[str, list[RunningJob]] = {}
     for lease in leases:
@@ -214,6 +226,7 @@ def worker_states(
             cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
             memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
             tpu_chips=(counts.get("tpu_chip_count") or None),
+            processes=processes_free(entry, (inflight_jobs or {}).get(name, 0)),
             running_labels=(
                 *(r.labels for r in running.get(name, ()) if r.labels),
                 *(inflight_labels or {}).get(name, ()),
@@ -232,6 +245,19 @@ def worker_states(
             )
         )
     return states
+
+
+def processes_free(entry: Mapping[str, Any], inflight: int) -> int | None:
+    """A worker's pool processes free for another job: its pool's (`info.processes`),
+    less the jobs it reported allocated and the `inflight` ones assigned since; None
+    where it does not report its pool. Negative: that many jobs wait in its pool's
+    queue for a process (the gate hands a job to the pool once its devices are free).
+    Plain Celery tasks running there are not counted."""
+    limit = (entry.get("info") or {}).get("processes")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        return None
+    busy = len((entry.get("free") or {}).get("allocations") or [])
+    return limit - busy - inflight
 
 
 def nvlink_free(entry: Mapping[str, Any], gpus: int | None) -> int | None:

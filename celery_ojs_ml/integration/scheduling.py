@@ -277,6 +277,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             self._checkpoints(leases),
             self.ledger.labels(),
             self.ledger.shares(),
+            self.ledger.jobs(),
         )
 
     def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:

@@ -54,6 +54,19 @@ def task_events_on(consumer: Any) -> bool:
     return groups is None or "task" in groups
 
 
+def pool_processes(consumer: Any) -> int | None:
+    """The processes (threads) of this worker's pool now, which the fleet scheduler
+    counts (`fleet_view.processes_free`); None before the pool starts. Celery 5.7's
+    `BasePool.num_processes` (prefork: billiard's `Pool._processes`, which
+    `--autoscale` moves); `test_processes.py` in tests/integration fails if that
+    changes."""
+    try:
+        found = consumer.pool.num_processes
+    except Exception:  # no consumer or pool yet, or a pool that is not started
+        return None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
 def is_prefork(pool: Any) -> bool:
     """Whether a pool (class, instance or name) is billiard's prefork pool."""
     if pool is None:

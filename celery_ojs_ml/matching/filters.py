@@ -65,6 +65,10 @@ class FreeCapacity:
     running_labels: tuple[Mapping[str, str], ...] = field(default=())
     reservations: frozenset[str] = frozenset()
     """Ids of the dynamic reservations (`ml.reserve`) this worker holds now (§8.3)."""
+    processes: int | None = None
+    """Pool processes free for another job (every job runs in one; negative: jobs
+    wait in the pool's queue), as the fleet scheduler counts them to prefer a worker
+    that can start a job at once; None: not tracked. Never a reason to wait."""
 
 
 Filter = Callable[[MLRequirements, Capabilities, FreeCapacity | None], Iterator[Reason]]

@@ -184,15 +184,17 @@ class FleetView:
     def fit_now(self, ask: Ask) -> tuple[Slot, PlacementScore] | None:
         """The best worker where the job may start now, by placement score; None if none.
 
-        Ties go to the worker whose jobs end latest, up to the job's own end
-        (`aligned`), then to a worker without a reservation, then to the first
-        in the fleet.
+        A worker with a free pool process comes first: on one whose processes are all
+        busy the job would wait in the pool's queue, holding its devices. Ties go to
+        the worker whose jobs end latest, up to the job's own end (`aligned`), then
+        to a worker without a reservation, then to the first in the fleet.
         """
-        best: tuple[float, float, bool, int] | None = None
+        best: tuple[bool, float, float, bool, int] | None = None
         found: tuple[Slot, PlacementScore] | None = None
         for group in self.eligible(ask.job):
             for slot, score in self._candidates(ask, group):
-                rank = (score.total, aligned(slot, ask.end), not slot.reserved, -slot.idx)
+                starts = slot.free[4] >= 1  # infinite where processes are not counted
+                rank = (starts, score.total, aligned(slot, ask.end), not slot.reserved, -slot.idx)
                 if best is None or rank > best:
                     best, found = rank, (slot, score)
         return found
@@ -239,7 +241,7 @@ class FleetView:
         if milli is not None and slot.gpu_free is not None:
             device = pick_share(slot.gpu_free, milli)
             if device is not None and slot.gpu_free[device] >= FULL:
-                return plus(ask.want, (1.0, 0.0, 0.0, 0.0))
+                return plus(ask.want, (1.0, 0.0, 0.0, 0.0, 0.0))
         return ask.want
 
     def need(self, ask: Ask, slot: Slot) -> Vec:

@@ -170,10 +170,12 @@ class WorkerState:
         queues: frozenset[str] = frozenset({DEFAULT_QUEUE}),
         available: bool = True,
         gpu_free_milli: tuple[int, ...] | None = None,
+        processes: int | None = None,
     ) -> WorkerState:
         """A worker whose free capacity is its totals less its running jobs (no host reserve).
 
-        With `gpu_free_milli` (sharing on), only untouched devices count as free GPUs.
+        With `gpu_free_milli` (sharing on), only untouched devices count as free GPUs;
+        with `processes` (its pool's), one per running job is busy (None: not counted).
         """
         used = Demand.total(r.demand for r in running)
         if any(r.exclusive for r in running):
@@ -188,6 +190,7 @@ class WorkerState:
             memory_gb=free.memory_gb,
             tpu_chips=free.tpu_chips if caps.tpu else None,
             running_labels=tuple(r.labels for r in running if r.labels),
+            processes=None if processes is None else max(0, processes - len(running)),
         )
         return cls(name, caps, view, queues, tuple(running), available, gpu_free_milli)
 

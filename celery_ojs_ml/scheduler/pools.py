@@ -159,6 +159,7 @@ def less_free(free: FreeCapacity, d: Demand) -> FreeCapacity:
         cpu_cores=cut(free.cpu_cores, float(d.cpu_cores)),
         memory_gb=cut(free.memory_gb, float(d.memory_gb)),
         tpu_chips=tpu,
+        processes=None if free.processes is None else max(0, free.processes - 1),
     )
 
 
@@ -217,6 +218,7 @@ def _fill_one(
         tpu_chips=room.tpu_chips if worker.caps.tpu else None,
         running_labels=worker.free.running_labels,
         reservations=frozenset({pool.rid}),
+        processes=worker.free.processes,
     )
     found = match(job.req, worker.caps, view)
     if too_big or found.verdict is Verdict.NEVER:

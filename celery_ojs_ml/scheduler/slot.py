@@ -56,7 +56,7 @@ class Hold:
 
 def running_vec(r: RunningJob) -> Vec:
     """A running job's counted footprint as a vector."""
-    return (float(r.gpus), float(r.cpu_cores), float(r.memory_gb), float(r.tpu_chips))
+    return (float(r.gpus), float(r.cpu_cores), float(r.memory_gb), float(r.tpu_chips), 1.0)
 
 
 def label_key(labels: Mapping[str, str]) -> LabelKey:
@@ -122,7 +122,8 @@ class Slot:
     def _capacity(self) -> Vec:
         """Everything the worker can hand out once idle."""
         if any(r.exclusive for r in self.state.running):
-            return totals_of(self.state.caps)
+            total = totals_of(self.state.caps)  # its processes: free ones and running jobs
+            return (*total[:4], finite(self.free)[4] + len(self.state.running))
         used = ZERO
         for r in self.state.running:
             used = plus(used, running_vec(r))

@@ -151,10 +151,12 @@ def reservations_hold(p: Pass) -> None:
 
 
 def _capacity(w: WorkerState) -> Vec:
-    """All the worker can hand out once idle."""
+    """All the worker can hand out once idle (pool processes: infinite where untracked)."""
+    free = from_free(w.free)
+    processes = free[4] + len(w.running)
     if any(x.exclusive for x in w.running):
-        return totals_of(w.caps)
-    return plus(finite(from_free(w.free)), sum_of(running_vec(x) for x in w.running))
+        return (*totals_of(w.caps)[:4], processes)
+    return (*plus(finite(free), sum_of(running_vec(x) for x in w.running))[:4], processes)
 
 
 def _used_at(p: Pass, w: WorkerState, at: float, holder: str, capacity: Vec) -> Vec:

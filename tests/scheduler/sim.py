@@ -121,7 +121,7 @@ class Sim:
                 running[victim] = replace(running[victim], preempted_for=p.task_id)
 
     def _start(self, job: PendingJob, name: str) -> None:
-        g, cpu, mem, tpu = demand_of(job.req)
+        g, cpu, mem, tpu, _ = demand_of(job.req)
         self.started[job.task_id] = self.now
         self.ends[job.task_id] = self.now + self.durations[job.task_id]
         self.workers[name].running[job.task_id] = RunningJob(

@@ -6,15 +6,15 @@ import math
 
 from celery_ojs_ml.scheduler.timeline import Timeline
 
-ONE = (1.0, 0.0, 0.0, 0.0)
-FOUR = (4.0, 0.0, 0.0, 0.0)
+ONE = (1.0, 0.0, 0.0, 0.0, 0.0)
+FOUR = (4.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def _busy() -> Timeline:
     """0 GPUs free now; one frees at 10, three more at 20; 4 held from 30 to 50."""
-    tl = Timeline(0.0, (0.0, 8.0, 64.0, 0.0))
+    tl = Timeline(0.0, (0.0, 8.0, 64.0, 0.0, 0.0))
     tl.add(10, ONE)
-    tl.add(20, (3.0, 0.0, 0.0, 0.0))
+    tl.add(20, (3.0, 0.0, 0.0, 0.0, 0.0))
     tl.hold(30, 50, FOUR)
     return tl
 
@@ -31,7 +31,7 @@ def test_a_short_job_fits_the_gap_before_a_reservation() -> None:
 
 
 def test_what_is_never_free_has_no_start() -> None:
-    tl = Timeline(0.0, (0.0, 8.0, 64.0, 0.0))
+    tl = Timeline(0.0, (0.0, 8.0, 64.0, 0.0, 0.0))
     assert tl.earliest(ONE) == math.inf
     assert tl.first_fit(ONE) == math.inf
 
@@ -53,6 +53,6 @@ def test_shadow_holds_count_for_estimates_but_not_for_backfill() -> None:
 
 
 def test_changes_at_or_before_now_count_from_now() -> None:
-    tl = Timeline(100.0, (0.0, 0.0, 0.0, 0.0))
+    tl = Timeline(100.0, (0.0, 0.0, 0.0, 0.0, 0.0))
     tl.add(90, ONE)
     assert tl.first_fit(ONE) == 100

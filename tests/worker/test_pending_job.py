@@ -57,3 +57,24 @@ def test_the_heartbeats_free_island_reaches_the_schedulers_worker_state() -> Non
     assert state.nvlink_free == 3 and state.free.gpus == 3
     (busier,) = worker_states(live, [], {"w": Demand(gpus=2)}, _parse, LRU(8))
     assert busier.nvlink_free == 1 and busier.free.gpus == 1
+
+
+def test_a_workers_free_processes_are_its_pools_less_its_allocations_and_the_ledger() -> None:
+    """The heartbeat's `info.processes` (its pool's) less the jobs it reported allocated
+    and the jobs assigned since (the ledger's count), below 0 when jobs wait in its
+    pool's queue; none reported: not counted."""
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.integration.fleet_view import processes_free, worker_states
+    from celery_ojs_ml.lru import LRU
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    allocations = [{"task_id": "a"}, {"task_id": "b"}]
+    snapshot = {"free": {"gpu_count": 2}, "allocations": allocations}
+    info = {"queues": ["celery"], "processes": 3}
+    live = {"w": {"capabilities": caps, "free": snapshot, "info": info}}
+    (state,) = worker_states(live, [], {}, _parse, LRU(8))
+    assert state.free.processes == 1
+    (busier,) = worker_states(live, [], {}, _parse, LRU(8), inflight_jobs={"w": 2})
+    assert busier.free.processes == -1, "one of them will wait in the pool's queue"
+    for foreign in (None, True, "3", 0, -1):
+        assert processes_free({"info": {"processes": foreign}, "free": snapshot}, 0) is None

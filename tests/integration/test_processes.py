@@ -1,0 +1,76 @@
+"""The fleet scheduler counts pool processes (`FreeCapacity.processes`) with real workers.
+
+A worker advertises its pool's processes (`info.processes`, Celery 5.7's
+`BasePool.num_processes`: this file fails if that changes) and the leader takes the
+jobs it runs or was assigned off them. A worker with free GPUs but every process busy
+is passed over for one with a free process; before, best fit sent the job there and it
+waited in the pool's queue, holding a GPU, while the other worker was idle.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.workers import WorkerProcess, running
+
+pytestmark = pytest.mark.integration
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+    return found
+
+
+def test_a_job_goes_to_a_worker_with_a_free_process_not_to_a_busy_one_with_free_gpus(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """`one` (2 GPUs, `-c 1`) runs `long` (best fit: it leaves `one` with 1 GPU free).
+    `next` (1 GPU) fits `one`'s free GPU best, but `one`'s only process is busy: it
+    starts at once on `four` (4 GPUs, `-c 4`) instead of waiting for `long` to end."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    workers = [
+        WorkerProcess("one", redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=1),
+        WorkerProcess("four", redis_url, "profile:nvidia-a100x4", tmp_path, concurrency=4),
+    ]
+    with running(workers, store):
+        live = _wait(lambda: _both(store), 20, "both workers' heartbeats")
+        assert live["one@test"]["info"]["processes"] == 1, live["one@test"]["info"]
+        assert live["four@test"]["info"]["processes"] == 4, live["four@test"]["info"]
+        long = record.apply_async(args=["long", 5.0], headers={"ext_ml_gpu_count": 1})
+        _wait(lambda: _on_devices(store, long.id), 20, "long to start")
+        sent = time.time()
+        nxt = record.apply_async(args=["next", 0.1], headers={"ext_ml_gpu_count": 1})
+        _wait(lambda: redis_client.llen(RESULTS_KEY) >= 2, 20, "both jobs")
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([long.id, nxt.id]), "a job was lost or ran twice"
+    assert runs[long.id]["worker"] == "one@test", runs[long.id]
+    assert runs[nxt.id]["worker"] == "four@test", runs[nxt.id]
+    assert runs[nxt.id]["start"] < runs[long.id]["end"], "next waited for long's process"
+    assert runs[nxt.id]["start"] - sent < 2.0, runs[nxt.id]
+    app.close()
+
+
+def _both(store: OJSStore) -> dict[str, Any] | None:
+    live = store.live_workers()
+    return live if {"one@test", "four@test"} <= set(live) else None
+
+
+def _on_devices(store: OJSStore, task_id: str) -> bool:
+    for view in store.live_workers().values():
+        if task_id in (view.get("free", {}).get("devices") or {}).values():
+            return True
+    return False
