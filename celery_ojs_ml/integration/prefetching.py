@@ -351,11 +351,16 @@ def _first_reserved(
 def _starts_now(
     job: PendingJob, fleet: list[WorkerState], left: dict[str, FreeCapacity], holder: str
 ) -> str | None:
-    """A worker other than `holder` that consumes the job's queue and fits it now."""
+    """A worker other than `holder` that consumes the job's queue and fits it now, with a
+    free pool process where they are counted (elsewhere it would wait in the pool's
+    queue instead of at `holder`'s gate, and could not be taken back from there)."""
     for worker in fleet:
         if worker.name == holder or not worker.available or job.queue not in worker.queues:
             continue
-        if not hard_reasons(job.req, worker.caps, left[worker.name]):
+        free = left[worker.name]
+        if free.processes is not None and free.processes < 1:
+            continue
+        if not hard_reasons(job.req, worker.caps, free):
             return worker.name
     return None
 
@@ -372,4 +377,5 @@ def _less(free: FreeCapacity, used: Demand) -> FreeCapacity:
         cpu_cores=minus(free.cpu_cores, used.cpu_cores),
         memory_gb=minus(free.memory_gb, used.memory_gb),
         tpu_chips=minus(free.tpu_chips, used.tpu_chips),
+        processes=minus(free.processes, 1),
     )

@@ -423,3 +423,38 @@ def test_a_job_sent_ahead_behind_another_gets_the_gates_estimate_in_the_pass_tha
     leader._prefetch(plan, fleet, records, jobs, now=105.0)
     assert leader._prefetched == {"first": "w", "second": "w"}
     assert [{k: v[1] for k, v in notes.items()} for notes in written] == [{"second": 120.0}]
+
+
+def test_a_held_job_is_not_taken_back_for_a_worker_whose_processes_are_all_busy() -> None:
+    """`spot` waits at `w`'s gate. `v` has a free GPU: with a free pool process it can
+    start the job now and the leader takes it back from `w`; with every process busy
+    the job would only wait in `v`'s pool queue, so it stays at `w`."""
+    from celery_ojs_ml.scheduler import Decision, RunningJob
+    from celery_ojs_ml.scheduler.model import WorkerState
+    from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.testing.builders import worker_with
+
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    taken: list[str] = []
+
+    class Book:
+        def take_back(self, task_id: str, token: str, why: str, cool: bool = True) -> bool:
+            taken.append(task_id)
+            return True
+
+    meta = {"band": "spot", "submitted_at": 1.0, "queue": "celery"}
+    records = {"spot": {"state": "assigned", "worker": "w", "token": "t1", "meta": meta,
+                        "msg": {"headers": {}}}}  # fmt: skip
+    busy = [RunningJob("r", "spot", started_at=90.0, gpus=1)]
+    for processes, expected in ((2, ["spot"]), (1, [])):
+        taken.clear()
+        leader = _leader([])()
+        leader.book = Book()  # type: ignore[attr-defined]
+        leader.parse = lambda headers: req  # type: ignore[attr-defined]
+        leader._prefetched = {"spot": "w"}
+        fleet = [
+            WorkerState.of("w", worker_with(gpus=1), busy),
+            WorkerState.of("v", worker_with(gpus=2), busy, processes=processes),
+        ]
+        leader._unhold(Decision(), fleet, records, {})
+        assert taken == expected, processes

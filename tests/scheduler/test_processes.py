@@ -31,9 +31,7 @@ def test_a_pass_fills_a_workers_free_processes_then_goes_elsewhere() -> None:
     assert decide(jobs, fleet).assigned() == {"j0": "four", "j1": "eight", "j2": "eight"}
 
 
-def test_where_no_worker_has_a_free_process_the_job_still_starts_and_queues_in_the_pool() -> (
-    None
-):
+def test_where_no_worker_has_a_free_process_the_job_still_starts_and_queues_in_the_pool() -> None:
     """Processes rank placements; they never hold a job back: with every process busy
     everywhere, the job goes where its GPUs are free, as before they were counted."""
     busy = [running("r", gpu_count=1, limit=600)]
