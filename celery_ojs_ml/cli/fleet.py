@@ -81,6 +81,7 @@ def _view(
             **_allocator_part(alloc, alloc.get("held", [])),
             "queues": reply.get("queues", []),
             "pinning": reply.get("pinning"),
+            "processes": reply.get("processes"),
         }
     if live is None:  # answers inspect, but runs without the plugin's gate
         return {"state": NO_GATE, "error": (reply or {}).get("error", "no reply")}
@@ -93,6 +94,7 @@ def _view(
         **_allocator_part(alloc, held if held is not None else alloc.get("held", [])),
         "queues": [],
         "pinning": live.get("info", {}).get("pinning"),
+        "processes": live.get("info", {}).get("processes"),
         "heartbeat_age_s": round(now - float(live.get("ts", now)), 1),
     }
 
@@ -315,6 +317,7 @@ def _worker_block(name: str, view: dict[str, Any], reserved: Sequence[str] = ())
     lines = [f"{name}  {state}  {_headline(view['labels'])}"]
     lines += _field("labels", " ".join(f"{k}={v}" for k, v in view["labels"].items()))
     lines += _field("free", _free_line(view["capacity"], view["free"]))
+    lines += _processes_lines(view.get("processes"), len(view["allocations"]))
     lines += _field("pinning", _PINNING.get(view.get("pinning"), "unknown"))
     lines += _device_lines(view["devices"], view["allocations"])
     lines += _held_lines(view["held"])
@@ -341,6 +344,17 @@ def _field(label: str, text: str) -> list[str]:
         subsequent_indent=" " * len(prefix),
         break_on_hyphens=False,
     )
+
+
+def _processes_lines(processes: Any, jobs: int) -> list[str]:
+    """The pool's processes free for ML jobs (what the fleet scheduler counts), and the
+    jobs waiting in the pool's queue for one; none where the worker did not report it."""
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+        return []
+    text = f"{max(0, processes - jobs)}/{processes} free"
+    if jobs > processes:
+        text += f", {jobs - processes} job(s) waiting in the pool for a process"
+    return _field("processes", text)
 
 
 def _free_line(capacity: dict[str, Any], free: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ from celery_ojs_ml.integration.worker_setup import (
     _child_init,
     _child_postrun,
     _child_prerun,
+    pool_processes,
 )
 from celery_ojs_ml.integration.worker_setup import capabilities_for as capabilities_for
 from celery_ojs_ml.integration.worker_setup import (
@@ -328,7 +329,8 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         return f"{self.hostname}: {labels.get('accelerator')} worker, {gpus}, pinning {pinning}"
 
     def snapshot(self) -> dict[str, Any]:
-        """Capabilities, free capacity, allocations, held jobs and subscribed queues."""
+        """Capabilities, free capacity, allocations, held jobs, subscribed queues and the
+        pool's processes."""
         with self.lock:
             return {
                 "capabilities": capabilities_to_dict(self.caps)["capabilities"],
@@ -336,4 +338,5 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
                 "allocator": self.allocator.snapshot(),
                 "queues": sorted(self.subscribed),
                 "pinning": self.prefork,
+                "processes": pool_processes(getattr(self, "c", None)),
             }

@@ -200,3 +200,19 @@ def test_status_shows_jobs_published_but_not_admitted_and_says_when_no_leader_ad
     assert "intake: 2 published, not yet admitted" in sched.render(leading, NOW).splitlines()
     empty = {"leader": None, "jobs": {}, "intake": {"waiting": 0, "taken": 0}}
     assert not any(line.startswith("intake") for line in sched.render(empty, NOW).splitlines())
+
+
+def test_status_shows_the_pools_free_processes_and_the_jobs_waiting_for_one() -> None:
+    """The fleet scheduler's count (docs/scheduling.md "Pool processes"): the pool's
+    processes less the ML jobs allocated there; jobs beyond them wait in the pool."""
+    job = {"task_id": "t", "devices": [0], "band": "spot"}
+
+    def lines(**over: Any) -> list[str]:
+        report = {"workers": {"w@h": _worker(**over)}, "pending": {}, "errors": [], "time": NOW}
+        return [x for x in render_status(report).splitlines() if x.startswith("  processes")]
+
+    assert lines(processes=4, allocations=[job]) == ["  processes 3/4 free"]
+    assert lines(processes=1, allocations=[job] * 3) == [
+        "  processes 0/1 free, 2 job(s) waiting in the pool for a process"
+    ]
+    assert lines() == [] and lines(processes=None) == [] and lines(processes=True) == []
