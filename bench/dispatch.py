@@ -8,13 +8,13 @@ the variants in short segments (throughput) or task by task (latency), so a
 slow spell of the VM hits every variant alike. Reports, with PASS/MISS against
 targets:
 
-* throughput ratio plugin / plain (target >= 0.9): tasks published back to
+* throughput ratio plugin / plain (target >= 0.8, issue 11): tasks published back to
   back, tasks/s from the first publish to the last task end, per round over its
   `--segments`; the verdict is the median of the per-round (paired) ratios. For the plugin
   with its defaults (the no-op never initialises CUDA, so pool children are
   reused: the gate alone) and with `ojs_ml_recycle_gpu_children="always"`
   (a fresh child per task: the cost a task that initialises CUDA pays);
-* added p50 / p99 latency (target <= 1 ms): tasks published one at a time,
+* added p50 latency (target <= 2 ms, issue 11; p99 shown): tasks published one at a time,
   latency = task body start - publish call start. Measured "hot" (tasks 10 ms
   apart; this carries the verdict) and "idle" (400 ms apart). On the reference
   VM memory goes cold within milliseconds of idling, which adds 2-40 ms of
@@ -59,8 +59,10 @@ from celery_ojs_ml.store import OJSStore  # noqa: E402
 
 A100X8 = "profile:nvidia-a100x8"
 ONE_GPU = '{"accelerator":"gpu","gpu":{"type":"nvidia-a100","count":1}}'
-TARGET_RATIO = 0.9
-TARGET_ADDED_MS = 1.0
+TARGET_RATIO = 0.8
+"""Issue 11 (the fleet scheduler); issue 3, before it, asked 0.9."""
+TARGET_ADDED_MS = 2.0
+"""Added p50 latency, hot (issue 11; issue 3 asked 1 ms at p50 and p99)."""
 TARGET_WAKEUP_MS = 20.0
 _START_TIMEOUT_S = 60.0
 
@@ -634,8 +636,8 @@ def table(result: dict[str, Any]) -> str:
                 (
                     f"added {stat} latency (hot), {name}",
                     f"{h[f'added_{stat}_ms']:+.2f} ms",
-                    f"<= {TARGET_ADDED_MS:g} ms",
-                    verdict(h[f"added_{stat}_ms"] <= TARGET_ADDED_MS),
+                    f"<= {TARGET_ADDED_MS:g} ms" if stat == "p50" else "",
+                    verdict(h[f"added_{stat}_ms"] <= TARGET_ADDED_MS) if stat == "p50" else "",
                 )
             )
         rows.append(

@@ -82,6 +82,7 @@ def _view(
             "queues": reply.get("queues", []),
             "pinning": reply.get("pinning"),
             "processes": reply.get("processes"),
+            "plain_running": reply.get("plain_running"),
         }
     if live is None:  # answers inspect, but runs without the plugin's gate
         return {"state": NO_GATE, "error": (reply or {}).get("error", "no reply")}
@@ -95,6 +96,7 @@ def _view(
         "queues": [],
         "pinning": live.get("info", {}).get("pinning"),
         "processes": live.get("info", {}).get("processes"),
+        "plain_running": live.get("info", {}).get("plain_running"),
         "heartbeat_age_s": round(now - float(live.get("ts", now)), 1),
     }
 
@@ -317,7 +319,9 @@ def _worker_block(name: str, view: dict[str, Any], reserved: Sequence[str] = ())
     lines = [f"{name}  {state}  {_headline(view['labels'])}"]
     lines += _field("labels", " ".join(f"{k}={v}" for k, v in view["labels"].items()))
     lines += _field("free", _free_line(view["capacity"], view["free"]))
-    lines += _processes_lines(view.get("processes"), len(view["allocations"]))
+    lines += _processes_lines(
+        view.get("processes"), len(view["allocations"]), view.get("plain_running")
+    )
     lines += _field("pinning", _PINNING.get(view.get("pinning"), "unknown"))
     lines += _device_lines(view["devices"], view["allocations"])
     lines += _held_lines(view["held"])
@@ -346,14 +350,19 @@ def _field(label: str, text: str) -> list[str]:
     )
 
 
-def _processes_lines(processes: Any, jobs: int) -> list[str]:
-    """The pool's processes free for ML jobs (what the fleet scheduler counts), and the
-    jobs waiting in the pool's queue for one; none where the worker did not report it."""
+def _processes_lines(processes: Any, jobs: int, plain: Any = None) -> list[str]:
+    """The pool's processes free for ML jobs (what the fleet scheduler counts): less its
+    ML jobs and the plain Celery tasks running there; and the jobs waiting in the pool's
+    queue for one. None where the worker did not report its pool."""
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
         return []
-    text = f"{max(0, processes - jobs)}/{processes} free"
-    if jobs > processes:
-        text += f", {jobs - processes} job(s) waiting in the pool for a process"
+    others = plain if isinstance(plain, int) and not isinstance(plain, bool) and plain > 0 else 0
+    busy = jobs + others
+    text = f"{max(0, processes - busy)}/{processes} free"
+    if others:
+        text += f" ({others} plain task(s) running)"
+    if busy > processes:
+        text += f", {busy - processes} job(s) waiting in the pool for a process"
     return _field("processes", text)
 
 

@@ -36,7 +36,11 @@ from celery_ojs_ml.integration.routing import (
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.integration.wakeup import wake_consumer
 from celery_ojs_ml.integration.warm_pool import pool_pids
-from celery_ojs_ml.integration.worker_setup import pool_processes, task_events_on
+from celery_ojs_ml.integration.worker_setup import (
+    plain_running,
+    pool_processes,
+    task_events_on,
+)
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.spec.classes import BANDS, hard_constraints
 from celery_ojs_ml.spec.normalize import Bounds, normalize
@@ -103,6 +107,7 @@ class Advertising(Gate):
                 "address": self.address,
                 "task_events": task_events_on(getattr(self, "c", None)),
                 "processes": pool_processes(getattr(self, "c", None)),
+                "plain_running": plain_running({a["task_id"] for a in snap["allocations"]}),
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}

@@ -15,9 +15,9 @@ assignment that no longer fits is given back with a reason.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.allocator.sharing import FULL, after, place, share_milli, untouched
@@ -252,12 +252,20 @@ def processes_free(entry: Mapping[str, Any], inflight: int) -> int | None:
     less the jobs it reported allocated and the `inflight` ones assigned since; None
     where it does not report its pool. Negative: that many jobs wait in its pool's
     queue for a process (the gate hands a job to the pool once its devices are free).
-    Plain Celery tasks running there are not counted."""
-    limit = (entry.get("info") or {}).get("processes")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+    Plain Celery tasks running there (`info.plain_running`, as of its last heartbeat or
+    release) hold processes too."""
+    info = entry.get("info") or {}
+    limit = info.get("processes")
+    if not _count(limit) or limit < 1:
         return None
+    plain = info.get("plain_running")
     busy = len((entry.get("free") or {}).get("allocations") or [])
-    return limit - busy - inflight
+    return limit - busy - inflight - (plain if _count(plain) else 0)
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    """Whether a heartbeat value is a count: an int (not a bool), at least 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def nvlink_free(entry: Mapping[str, Any], gpus: int | None) -> int | None:
@@ -343,6 +351,7 @@ def budget_inflight(
     leases: list[dict[str, Any]],
     live: Mapping[str, Mapping[str, Any]],
     started: Mapping[str, float | None],
+    ahead: Collection[str] = (),
 ) -> list[tuple[str, int]]:
     """(queue, GPUs) of the assigned jobs that hold budget and have no lease yet (§10.3).
 
@@ -352,7 +361,9 @@ def budget_inflight(
     running job), and dropped once the job is back to pending, gone, or ended:
     started, no lease, and a heartbeat of its worker newer than its start that
     does not show it allocated. Assigned records of an earlier leader are
-    counted from the pending set. `holds` is pruned in place.
+    counted from the pending set. `holds` is pruned in place. A hold in `ahead` (a job
+    this leader delivered ahead of capacity, `ojs_ml_prefetch`) is not counted while
+    its record is still assigned: it waits at its worker's gate and holds no GPU yet.
     """
     running = {str(lease.get("task_id")) for lease in leases}
     allocated = allocated_ids(live)
@@ -366,6 +377,8 @@ def budget_inflight(
         if task_id in running or (found is not None and found.get("state") == PENDING):
             del holds[task_id]
             continue
+        if found is not None and task_id in ahead and found.get("state") == ASSIGNED:
+            continue  # waiting at the gate; counted from its start
         if found is None:
             at = started.get(task_id)
             beat = float((live.get(hold.worker) or {}).get("ts") or 0.0)

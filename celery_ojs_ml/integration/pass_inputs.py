@@ -54,6 +54,7 @@ class PassInputs:
     reservations: ReservationBook
     policy: Policy
     _holds: dict[str, BudgetHold]
+    _prefetched: dict[str, str]
     ledger: Ledger
     _starts: dict[str, float | None]
     _intake: list[Any]
@@ -203,7 +204,8 @@ class PassInputs:
     def _inflight(
         self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any
     ) -> list[tuple[str, int]]:
-        """Budget use of assignments not yet running, by task id (§10.3)."""
+        """Budget use of assignments not yet running, by task id (§10.3); jobs waiting
+        ahead at a gate (`_prefetched`) hold nothing yet."""
         gone = [t for t in self._holds if t not in records]
         started = self.book.started_at(gone) if gone else {}
-        return budget_inflight(self._holds, records, leases, live, started)
+        return budget_inflight(self._holds, records, leases, live, started, self._prefetched)

@@ -26,10 +26,10 @@ Key decisions:
 * A job escalated (§8.4) is not delivered ahead: its message still carries its
   old band, which the gate orders held jobs by. It is ordered in its new band
   when the jobs already waiting at its worker's gate are checked (below).
-* A job of a queue with a GPU budget (§10.3) is not delivered ahead, and with
-  fair-share weights none is (`FleetScheduler._carry_out`): both count an
-  assigned job as holding its GPUs, so one waiting at a gate would use up its
-  queue's budget or share.
+* A job of a queue with a GPU budget (§10.3) is not delivered ahead: a budget
+  counts an assigned job as holding its GPUs, so one waiting at a gate would
+  use up its queue's budget. With fair-share weights a job waiting at a gate
+  counts in its queue's share only from its start (`PassInputs._inflight`).
 * A job that ranks above a preemptible job running on the worker it is reserved
   on is not delivered ahead: it may preempt there once its victims have run
   `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.

@@ -317,9 +317,10 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             for p in decision.preemptions:
                 job = jobs[p.task_id]
                 self._deliver(p.task_id, p.worker, records[p.task_id], job, p.victims, now)
-            # A job waiting ahead at a gate would count in every queue's fair share (and
-            # in its own queue's budget: `_may_send_ahead` keeps those jobs here).
-            if self.settings.prefetch and not self.policy.weights:
+            # A job waiting ahead at a gate holds no GPU: it counts in its queue's fair
+            # share from its start (`_inflight`); a budgeted queue's jobs stay here
+            # (`_may_send_ahead`).
+            if self.settings.prefetch:
                 self._unhold(decision, fleet, records, jobs)
                 self._prefetch(decision, fleet, records, jobs, now)
             self._waiting_events(first_seen)  # they ride the same batch

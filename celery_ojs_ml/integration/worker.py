@@ -46,6 +46,7 @@ from celery_ojs_ml.integration.worker_setup import (
     _child_init,
     _child_postrun,
     _child_prerun,
+    plain_running,
     pool_processes,
 )
 from celery_ojs_ml.integration.worker_setup import capabilities_for as capabilities_for
@@ -329,14 +330,16 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         return f"{self.hostname}: {labels.get('accelerator')} worker, {gpus}, pinning {pinning}"
 
     def snapshot(self) -> dict[str, Any]:
-        """Capabilities, free capacity, allocations, held jobs, subscribed queues and the
-        pool's processes."""
+        """Capabilities, free capacity, allocations, held jobs, subscribed queues, the
+        pool's processes and the plain Celery tasks running in it."""
         with self.lock:
+            alloc = self.allocator.snapshot()
             return {
                 "capabilities": capabilities_to_dict(self.caps)["capabilities"],
                 "labels": self.caps.derived_labels(),
-                "allocator": self.allocator.snapshot(),
+                "allocator": alloc,
                 "queues": sorted(self.subscribed),
                 "pinning": self.prefork,
                 "processes": pool_processes(getattr(self, "c", None)),
+                "plain_running": plain_running({a["task_id"] for a in alloc["allocations"]}),
             }

@@ -11,7 +11,10 @@ to its device set (`ojs_ml_recycle_gpu_children`, `configure_child_recycling`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
+
+from celery.worker import state as worker_state
 
 from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
 from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
@@ -65,6 +68,19 @@ def pool_processes(consumer: Any) -> int | None:
     except Exception:  # no consumer or pool yet, or a pool that is not started
         return None
     return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def plain_running(ml_ids: Collection[str]) -> int:
+    """Tasks running in this worker's pool that are not ML jobs (not in `ml_ids`, the
+    allocator's): each holds a pool process the fleet scheduler would otherwise count
+    free (`fleet_view.processes_free`). Celery 5.7's `celery.worker.state.active_requests`
+    holds a request from its acceptance by a pool process to its end;
+    `test_processes.py` in tests/integration fails if that changes."""
+    try:
+        found = [getattr(r, "id", None) for r in list(worker_state.active_requests)]
+    except Exception:  # a Celery without it: count nothing, as before
+        return 0
+    return sum(1 for task_id in found if task_id is not None and task_id not in ml_ids)
 
 
 def is_prefork(pool: Any) -> bool:

@@ -216,3 +216,11 @@ def test_status_shows_the_pools_free_processes_and_the_jobs_waiting_for_one() ->
         "  processes 0/1 free, 2 job(s) waiting in the pool for a process"
     ]
     assert lines() == [] and lines(processes=None) == [] and lines(processes=True) == []
+    # Plain Celery tasks running in the pool hold processes too.
+    assert lines(processes=4, allocations=[job], plain_running=2) == [
+        "  processes 1/4 free (2 plain task(s) running)"
+    ]
+    assert lines(processes=1, allocations=[job], plain_running=1) == [
+        "  processes 0/1 free (1 plain task(s) running), 1 job(s) waiting in the pool for a process"
+    ]
+    assert lines(processes=4, allocations=[job], plain_running="2") == ["  processes 3/4 free"]

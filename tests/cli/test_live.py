@@ -174,6 +174,7 @@ def test_status_json_has_the_same_facts_for_scripts(fleet: Fleet) -> None:
     assert (a["state"], a["labels"]["gpu_type"], a["pinning"]) == ("answering", "nvidia-a100", True)
     assert a["processes"] == 3, "its pool's processes (-c 3), as the fleet scheduler counts them"
     assert report["workers"]["ghost@test"]["processes"] is None, "not in its heartbeat"
+    assert a["plain_running"] == 0, "only an ML job runs there (it is not a plain task)"
     assert a["devices"] == {str(fleet.device): fleet.long_id, str(1 - fleet.device): None}
     assert [x["task_id"] for x in a["allocations"]] == [fleet.long_id]
     assert report["workers"]["ghost@test"]["state"] == "not answering"

@@ -391,6 +391,13 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
 
 
 def _define_plain_tasks(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="plain.sleep", shared=False)
+    def sleep(self: Any, tag: str, sleep_s: float) -> None:
+        start = time.time()
+        time.sleep(sleep_s)
+        entry = {"tag": tag, "task_id": self.request.id, "start": start, "end": time.time()}
+        _record(results_url, {**entry, "worker": self.request.hostname})
+
     @app.task(bind=True, name="plain.add", shared=False)
     def add(self: Any, a: int, b: int) -> dict[str, Any]:
         entry = {

@@ -3,7 +3,8 @@
 One 4-GPU worker consumes `train` and `infer`. Twelve 1-s `train` jobs are
 published first, then twelve `infer` jobs. In plain fleet order (FIFO) every
 GPU goes to `train` until its jobs are gone; with weights 3:1 `infer` gets
-about one GPU of four while both queues wait.
+about one GPU of four while both queues wait, with jobs delivered ahead to the
+gate (`ojs_ml_prefetch`, on by default) as without weights.
 """
 
 from __future__ import annotations
@@ -55,4 +56,9 @@ def test_competing_queues_share_the_gpus_by_weight(
     peak = max(sum(1 for i in infer if runs[i]["start"] <= t < runs[i]["end"])
                for t in (runs[j]["start"] for j in train))  # fmt: skip
     assert peak <= 2, f"infer held {peak} of 4 GPUs while train waited (weight 1 of 4)"
+    # Prefetch (on by default) works with weights: a job held ahead at the gate is not
+    # counted in its queue's share until it starts.
+    log = (tmp_path / "four.log").read_text()
+    held = [i for i in train + infer if f"ojs-ml: holding {i}:" in log]
+    assert held, "with weights, no job was delivered ahead of capacity"
     app.close()

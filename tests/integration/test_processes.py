@@ -4,7 +4,8 @@ A worker advertises its pool's processes (`info.processes`, Celery 5.7's
 `BasePool.num_processes`: this file fails if that changes) and the leader takes the
 jobs it runs or was assigned off them. A worker with free GPUs but every process busy
 is passed over for one with a free process; before, best fit sent the job there and it
-waited in the pool's queue, holding a GPU, while the other worker was idle.
+waited in the pool's queue, holding a GPU, while the other worker was idle. Plain
+Celery tasks running in the pool are counted too (`info.plain_running`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,44 @@ def test_a_job_goes_to_a_worker_with_a_free_process_not_to_a_busy_one_with_free_
     assert runs[nxt.id]["start"] < runs[long.id]["end"], "next waited for long's process"
     assert runs[nxt.id]["start"] - sent < 2.0, runs[nxt.id]
     app.close()
+
+
+def test_a_plain_celery_task_running_in_a_pool_keeps_ml_jobs_off_its_process(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """`one` (1 GPU, `-c 1`) runs a long plain Celery task from a queue only it consumes;
+    its heartbeat reports it (`info.plain_running`, from Celery 5.7's
+    `worker.state.active_requests`: this fails if that changes). `next` (1 GPU) fits
+    `one`'s free GPU best, but its only process is busy: it starts at once on `four`
+    (4 GPUs, `-c 4`). Before, only ML jobs were counted and `next` waited for the
+    plain task in `one`'s pool queue."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    workers = [
+        WorkerProcess(
+            "one", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=1, queue="celery,slow"
+        ),
+        WorkerProcess("four", redis_url, "profile:nvidia-a100x4", tmp_path, concurrency=4),
+    ]
+    with running(workers, store):
+        _wait(lambda: _both(store), 20, "both workers' heartbeats")
+        plain = app.tasks["plain.sleep"].apply_async(args=["plain", 8.0], queue="slow")
+        _wait(lambda: _plain_running(store, "one@test") == 1, 15, "one's plain task reported")
+        assert _plain_running(store, "four@test") == 0
+        sent = time.time()
+        nxt = app.tasks["ml.record"].apply_async(args=["next", 0.1])
+        _wait(lambda: redis_client.llen(RESULTS_KEY) >= 2, 30, "both tasks")
+    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([plain.id, nxt.id]), "a task was lost or ran twice"
+    assert runs[plain.id]["worker"] == "one@test", runs[plain.id]
+    assert runs[nxt.id]["worker"] == "four@test", runs[nxt.id]
+    assert runs[nxt.id]["start"] < runs[plain.id]["end"], "next waited for the plain task"
+    assert runs[nxt.id]["start"] - sent < 2.0, runs[nxt.id]
+    app.close()
+
+
+def _plain_running(store: OJSStore, worker: str) -> Any:
+    return (store.live_workers().get(worker) or {}).get("info", {}).get("plain_running")
 
 
 def _both(store: OJSStore) -> dict[str, Any] | None:

@@ -78,3 +78,31 @@ def test_a_workers_free_processes_are_its_pools_less_its_allocations_and_the_led
     assert busier.free.processes == -1, "one of them will wait in the pool's queue"
     for foreign in (None, True, "3", 0, -1):
         assert processes_free({"info": {"processes": foreign}, "free": snapshot}, 0) is None
+    # Plain Celery tasks running in the pool (`info.plain_running`) hold processes too.
+    plain = {"free": snapshot, "info": {"processes": 3, "plain_running": 1}}
+    assert processes_free(plain, 0) == 0
+    for foreign in (None, True, "1", -1):
+        odd = {"free": snapshot, "info": {"processes": 3, "plain_running": foreign}}
+        assert processes_free(odd, 0) == 1, foreign
+
+
+def test_a_job_held_ahead_at_a_gate_counts_in_its_queues_share_only_once_it_starts() -> None:
+    """With fair-share weights every assignment is held against its queue until its lease
+    shows (`budget_inflight`); one delivered ahead of capacity (`ojs_ml_prefetch`) waits
+    at its worker's gate and holds no GPU, so it is counted from its start, not before
+    (counting it made `infer` look as if it held GPUs it was only waiting for)."""
+    from celery_ojs_ml.integration.fleet_view import BudgetHold, budget_inflight
+
+    holds = {
+        "ahead": BudgetHold("infer", 1, "w"),
+        "assigned": BudgetHold("train", 2, "w"),
+    }
+    records = {t: {"state": "assigned", "worker": "w"} for t in holds}
+    live = {"w": {"ts": 100.0}}
+    waiting = budget_inflight(holds, records, [], live, {}, ahead={"ahead": "w"})
+    assert waiting == [("train", 2)]
+    assert set(holds) == {"ahead", "assigned"}, "the hold is kept for its start"
+    # The gate started it (its record left the pending set) after the last heartbeat.
+    del records["ahead"]
+    started = budget_inflight(holds, records, [], live, {"ahead": 101.0}, ahead={"ahead": "w"})
+    assert sorted(started) == [("infer", 1), ("train", 2)]
