@@ -4,8 +4,9 @@ Key decisions:
 - Gangs are decided before single jobs in each pass, in fleet order of their
   first rank, against the fleet as it is; single jobs then see what the gangs
   took. A gang is assigned only when every rank fits now on a distinct
-  eligible worker (best fit per rank: the worker left with the fewest free
-  GPUs), so no rank ever runs while another waits for capacity.
+  eligible worker (best fit per rank: a worker with a free pool process first,
+  then the one left with the fewest free GPUs), so no rank ever runs while
+  another waits for capacity (or, where processes are reported, for a process).
 - A gang that does not fit waits whole, with one reason for all its ranks.
   It holds no backfill reservation (a known limit: under a steady stream of
   small jobs a large gang can wait long; see docs/scheduling.md).
@@ -70,25 +71,26 @@ def _fit(
     used: set[str] = set()
     chosen: list[tuple[PendingJob, tuple[int, WorkerState]]] = []
     for job in ranks:
-        best: tuple[int, int] | None = None
+        best: tuple[bool, int, int] | None = None
         for idx, w in enumerate(fleet):
             if w.name in used or not w.available or job.queue not in w.queues:
                 continue
             if match(job.req, w.caps, w.free).verdict is not Verdict.FITS:
                 continue
             left = (w.free.gpus or 0) - int(job.req.ext_ml_gpu_count or 0)
-            if best is None or left < best[0]:
-                best = (left, idx)
+            busy = w.free.processes is not None and w.free.processes < 1
+            if best is None or (busy, left) < best[:2]:
+                best = (busy, left, idx)
         if best is None:
             return (
                 f"{len(chosen)}/{len(ranks)} ranks can be placed now on distinct workers; "
                 "a gang starts all ranks at once or none (Flux RFC 25 node>slot)"
             )
-        w = fleet[best[1]]
+        w = fleet[best[2]]
         used.add(w.name)
         taken = RunningJob.of(job.task_id, job.req, now, queue=job.queue, labels=job.labels)
         state = replace(w, free=less_free(w.free, Demand.of(job.req)), running=(*w.running, taken))
-        chosen.append((job, (best[1], state)))
+        chosen.append((job, (best[2], state)))
     return chosen
 
 

@@ -38,3 +38,27 @@ def test_where_no_worker_has_a_free_process_the_job_still_starts_and_queues_in_t
     fleet = [worker("w", "nvidia-a100x4", busy, processes=1)]
     assert decide([job("j", gpu_count=1)], fleet).assigned() == {"j": "w"}
     assert covers((4.0, 0.0, 0.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0, 1.0))
+
+
+def test_a_gang_rank_goes_to_a_worker_with_a_free_process_before_a_tighter_fit() -> None:
+    """Gang placement (`scheduler.gang`) ranks the same way: best fit alone puts a rank
+    on `one-proc` (3 GPUs free), whose only process is busy, and every other rank would
+    wait at the rendezvous for it; with processes counted the ranks go to idle workers,
+    and a busy worker still takes a rank where nothing else is left."""
+    from dataclasses import replace
+
+    busy = [running("r", gpu_count=1, limit=600)]
+    fleet = [
+        worker("one-proc", "nvidia-a100x4", busy, processes=1),
+        worker("idle-a", "nvidia-a100x4", processes=4),
+        worker("idle-b", "nvidia-a100x4", processes=4),
+    ]
+    ranks = [
+        replace(job(f"g-{r}", at=1, gpu_count=1), gang="g", gang_size=2, rank=r) for r in range(2)
+    ]
+    placed = decide(ranks, fleet).assigned()
+    assert sorted(placed.values()) == ["idle-a", "idle-b"], placed
+    three = [replace(r, gang_size=3) for r in ranks] + [
+        replace(job("g-2", at=1, gpu_count=1), gang="g", gang_size=3, rank=2)
+    ]
+    assert sorted(decide(three, fleet).assigned().values()) == ["idle-a", "idle-b", "one-proc"]
