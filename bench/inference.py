@@ -12,7 +12,11 @@ model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
    for a scheduler pass after a GPU frees: the default before 2026-11-27);
 4. `plugin-retire`: the defaults with `"cuda"` (a child that initialised CUDA is
    retired after its task: the behaviour before warm children);
-5. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
+5. `plugin-fair`: plugin-warm with fair-share weights (`ojs_ml_fair_share`
+   `{"celery": 1, "batch": 3}`; the requests all go to `celery`): what a fleet
+   that shares its GPUs between queues gets (prefetch was off with weights
+   before 2026-11-27, fourteenth session);
+6. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
    the model loaded in `worker_process_init` (the usual hand-made setup).
 
 Each variant: a warm-up of 8 requests (not measured), then a burst of
@@ -53,7 +57,16 @@ sys.path.insert(0, str(ROOT))
 from bench.dispatch import private_redis  # noqa: E402
 
 RESULTS_KEY = "ojs-bench:inference"
-VARIANTS = ("plugin-warm", "plugin-prefetch", "plugin-noprefetch", "plugin-retire", "baseline")
+VARIANTS = (
+    "plugin-warm",
+    "plugin-prefetch",
+    "plugin-noprefetch",
+    "plugin-retire",
+    "plugin-fair",
+    "baseline",
+)
+_FAIR_SHARE = '{"celery": 1, "batch": 3}'
+"""`ojs_ml_fair_share` of `plugin-fair`."""
 _PREFETCH = {"plugin-prefetch": "4", "plugin-noprefetch": "0"}
 """`ojs_ml_prefetch` of the variants that do not run with the plugin's default."""
 
@@ -77,7 +90,8 @@ def workers_for(
         recycle = "cuda" if variant == "plugin-retire" else "warm"
         prefetch = _PREFETCH.get(variant, "")  # "": the plugin's default
         env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle,
-               "OJS_BENCH_PREFETCH": prefetch}  # fmt: skip
+               "OJS_BENCH_PREFETCH": prefetch,
+               "OJS_BENCH_FAIR_SHARE": _FAIR_SHARE if variant == "plugin-fair" else ""}  # fmt: skip
         argv = [*cmd, "-c", str(gpus), "-n", "gpu@bench"]
         if not real:  # simulated GPUs; real ones are probed through NVML
             argv += ["--ojs-ml-capabilities", f"profile:nvidia-a100x{gpus}"]

@@ -263,6 +263,11 @@ def processes_free(entry: Mapping[str, Any], inflight: int) -> int | None:
     return limit - busy - inflight - (plain if _count(plain) else 0)
 
 
+def _positive(value: Any) -> TypeGuard[float]:
+    """Whether a stored value is a positive number of seconds (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 def _count(value: Any) -> TypeGuard[int]:
     """Whether a heartbeat value is a count: an int (not a bool), at least 0."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -328,6 +333,9 @@ def _running(
         extra["queue"] = queue
     if checkpoint_at is not None:
         extra["last_checkpoint_at"] = checkpoint_at
+    limit = lease.get("time_limit_s")  # the hard limit the worker enforces (Celery's)
+    if req.ext_ml_timeout_seconds is None and _positive(limit):
+        extra["time_limit_s"] = float(limit)
     policy = headers.get("ext_mlx_scheduling_preemption_policy")
     if isinstance(policy, str):
         extra["preemption_policy"] = policy

@@ -31,6 +31,7 @@ from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
 from celery_ojs_ml.integration.redis_intake import RedisIntake
 from celery_ojs_ml.integration.routing import ml_queue
 from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.integration.worker_setup import hard_time_limit
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import OJSStore
@@ -220,9 +221,9 @@ class Intake:
 
     def _meta(self, headers: dict[str, Any], props: dict[str, Any]) -> dict[str, Any]:
         limit = headers.get("ext_ml_timeout_seconds")
-        timelimit = headers.get("timelimit")
-        if not isinstance(limit, int | float) and isinstance(timelimit, list | tuple):
-            limit = next((t for t in timelimit if isinstance(t, int | float)), None)
+        if not isinstance(limit, int | float) or isinstance(limit, bool) or limit <= 0:
+            # The task's hard limit (a soft one alone is no end: backfill needs a bound).
+            limit = hard_time_limit(headers.get("timelimit"), None, self.app.conf)
         return {
             "task": headers.get("task"),
             "queue": headers.get("ojs_logical_queue") or "celery",

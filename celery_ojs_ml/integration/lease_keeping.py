@@ -36,6 +36,7 @@ from celery_ojs_ml.integration.gangs import (
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.integration.worker_setup import hard_time_limit
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger("celery_ojs_ml.integration.worker")
@@ -73,6 +74,7 @@ class LeaseKeeping:
             "incarnation": self.incarnation,
             "devices": list(alloc.devices),
             "started_at": started_at,
+            "time_limit_s": hard_time_limit(headers.get("timelimit"), req.task, self.app.conf),
             **({"gpu_milli": alloc.gpu_milli} if alloc.gpu_milli else {}),
         }
 

@@ -83,6 +83,19 @@ def plain_running(ml_ids: Collection[str]) -> int:
     return sum(1 for task_id in found if task_id is not None and task_id not in ml_ids)
 
 
+def hard_time_limit(timelimit: Any, task: Any = None, conf: Any = None) -> float | None:
+    """The hard run-time limit Celery 5.7 enforces on a task, in seconds, or None: the
+    message's `timelimit` header (`[hard, soft]`; ext_ml_timeout_seconds is written
+    there at publish), else the task's `time_limit`, else `task_time_limit`. A soft
+    limit alone is not an end (a task may catch `SoftTimeLimitExceeded` and go on), so
+    it is not returned. The fleet scheduler estimates ends and backfill from it."""
+    hard = timelimit[0] if isinstance(timelimit, list | tuple) and timelimit else None
+    for found in (hard, getattr(task, "time_limit", None), getattr(conf, "task_time_limit", None)):
+        if isinstance(found, int | float) and not isinstance(found, bool) and found > 0:
+            return float(found)
+    return None
+
+
 def is_prefork(pool: Any) -> bool:
     """Whether a pool (class, instance or name) is billiard's prefork pool."""
     if pool is None:

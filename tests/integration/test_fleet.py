@@ -315,6 +315,30 @@ def test_explain_json_gives_a_waiting_job_a_reason_and_a_start_estimate_close_to
     app.close()
 
 
+def test_a_running_jobs_celery_time_limit_gives_the_waiting_job_its_start_estimate(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Issue 11: ends are estimated from `ext_ml_timeout_seconds`, a Flux duration or the
+    task's `time_limit`. The blocker has only Celery's own hard `time_limit` (5 s) and
+    runs 4 s: the worker writes that limit in its lease, so the waiting job's estimate is
+    the blocker's start + 5 s. Before, a running job's Celery limit was not kept in its
+    lease, and the waiting job had no estimate at all."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    with running([_worker("one", redis_url, "nvidia-a100x1", tmp_path)], store):
+        blocker = record.apply_async(args=["blocker", 4.0], time_limit=5)
+        _wait(lambda: _started(store, blocker.id), 20, "the blocker to start")
+        waiting = record.apply_async(args=["waiting", 0.1])
+        seen = _wait(lambda: _annotated(app, waiting.id), 10, "the leader's annotation")
+        done = _wait(lambda: _result(redis_client, waiting.id), 20, "the waiting job")
+    ran = _result(redis_client, blocker.id)
+    assert ran is not None, "the blocker never ended"
+    assert abs(seen["t_estimate"] - (ran["start"] + 5.0)) <= 1.5, (seen, ran)
+    assert abs(seen["t_estimate"] - done["start"]) <= 2.0, (seen, done["start"])
+    app.close()
+
+
 def _annotated(app: Celery, task_id: str) -> dict[str, Any] | None:
     found = _explain(app, task_id)
     return found if found.get("t_estimate") else None
