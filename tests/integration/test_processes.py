@@ -56,12 +56,7 @@ def test_a_job_goes_to_a_worker_with_a_free_process_not_to_a_busy_one_with_free_
         sent = time.time()
         nxt = record.apply_async(args=["next", 0.1], headers={"ext_ml_gpu_count": 1})
         _wait(lambda: redis_client.llen(RESULTS_KEY) >= 2, 20, "both jobs")
-    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
-    assert sorted(runs) == sorted([long.id, nxt.id]), "a job was lost or ran twice"
-    assert runs[long.id]["worker"] == "one@test", runs[long.id]
-    assert runs[nxt.id]["worker"] == "four@test", runs[nxt.id]
-    assert runs[nxt.id]["start"] < runs[long.id]["end"], "next waited for long's process"
-    assert runs[nxt.id]["start"] - sent < 2.0, runs[nxt.id]
+    _started_beside(redis_client, long.id, nxt.id, sent)
     app.close()
 
 
@@ -90,13 +85,19 @@ def test_a_plain_celery_task_running_in_a_pool_keeps_ml_jobs_off_its_process(
         sent = time.time()
         nxt = app.tasks["ml.record"].apply_async(args=["next", 0.1])
         _wait(lambda: redis_client.llen(RESULTS_KEY) >= 2, 30, "both tasks")
-    runs = {r["task_id"]: r for r in map(json.loads, redis_client.lrange(RESULTS_KEY, 0, -1))}
-    assert sorted(runs) == sorted([plain.id, nxt.id]), "a task was lost or ran twice"
-    assert runs[plain.id]["worker"] == "one@test", runs[plain.id]
-    assert runs[nxt.id]["worker"] == "four@test", runs[nxt.id]
-    assert runs[nxt.id]["start"] < runs[plain.id]["end"], "next waited for the plain task"
-    assert runs[nxt.id]["start"] - sent < 2.0, runs[nxt.id]
+    _started_beside(redis_client, plain.id, nxt.id, sent)
     app.close()
+
+
+def _started_beside(client: redis.Redis, busy: str, nxt: str, sent: float) -> None:
+    """`busy` ran on `one` and `nxt` (published at `sent`) started at once on `four`,
+    before `busy` ended; each ran exactly once."""
+    runs = {r["task_id"]: r for r in map(json.loads, client.lrange(RESULTS_KEY, 0, -1))}
+    assert sorted(runs) == sorted([busy, nxt]), "a task was lost or ran twice"
+    assert runs[busy]["worker"] == "one@test", runs[busy]
+    assert runs[nxt]["worker"] == "four@test", runs[nxt]
+    assert runs[nxt]["start"] < runs[busy]["end"], "next waited for the busy process"
+    assert runs[nxt]["start"] - sent < 2.0, runs[nxt]
 
 
 def _plain_running(store: OJSStore, worker: str) -> Any:
