@@ -61,8 +61,8 @@ def _cpu(procs: Sequence[psutil.Process]) -> dict[int, float]:
 def _redis_process(url: str) -> psutil.Process:
     port = url.rsplit(":", 1)[1].split("/")[0]
     for proc in psutil.process_iter(["cmdline"]):
-        argv = proc.info["cmdline"] or []
-        if argv and "redis-server" in argv[0] and port in argv:
+        argv = proc.info["cmdline"] or []  # redis-server retitles itself "redis-server HOST:PORT"
+        if argv and "redis-server" in argv[0] and port in " ".join(argv):
             return proc
     raise RuntimeError(f"no redis-server on port {port}")
 
@@ -98,10 +98,12 @@ def redis_commands(bench: Bench, worker: Worker, url: str, n: int) -> list[tuple
                     return
                 parts = str(cmd["command"]).split(" ")
                 key = parts[1] if len(parts) > 1 else ""
-                if parts[0].upper() == "EVALSHA":
-                    key = f"{parts[1][:6]} {parts[3] if len(parts) > 3 else ''}"
+                script = ""
+                if parts[0].upper() == "EVALSHA":  # the script by its sha, then its first key
+                    script, key = parts[1][:6] + " ", parts[3] if len(parts) > 3 else ""
                 key = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}", "<id>", key)
-                seen[f"{parts[0].upper():10s} {re.sub(r'[0-9]+', 'N', key)[:60]}"] += 1
+                shape = script + re.sub(r"[0-9]+", "N", key)
+                seen[f"{parts[0].upper():10s} {shape[:60]}"] += 1
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
