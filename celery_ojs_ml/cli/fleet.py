@@ -20,6 +20,7 @@ from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.cli import sched
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.matching.filters import FreeCapacity, fmt
+from celery_ojs_ml.spec.flux_rules import is_int
 from celery_ojs_ml.spec.resources import is_requirement_key
 
 if TYPE_CHECKING:  # the offline verbs share this package and should not pay for importing Celery
@@ -354,9 +355,9 @@ def _processes_lines(processes: Any, jobs: int, plain: Any = None) -> list[str]:
     """The pool's processes free for ML jobs (what the fleet scheduler counts): less its
     ML jobs and the plain Celery tasks running there; and the jobs waiting in the pool's
     queue for one. None where the worker did not report its pool."""
-    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+    if not is_int(processes) or processes < 1:
         return []
-    others = plain if isinstance(plain, int) and not isinstance(plain, bool) and plain > 0 else 0
+    others = plain if is_int(plain) and plain > 0 else 0
     busy = jobs + others
     text = f"{max(0, processes - busy)}/{processes} free"
     if others:

@@ -107,7 +107,7 @@ class Advertising(Gate):
                 "address": self.address,
                 "task_events": task_events_on(getattr(self, "c", None)),
                 "processes": pool_processes(getattr(self, "c", None)),
-                "plain_running": plain_running({a["task_id"] for a in snap["allocations"]}),
+                "plain_running": plain_running(snap["allocations"]),
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}

@@ -28,6 +28,7 @@ from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.pending import ASSIGNED, PENDING
 from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
 from celery_ojs_ml.spec.classes import BANDS
+from celery_ojs_ml.spec.flux_rules import is_int
 from celery_ojs_ml.spec.resources import MLRequirements
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
@@ -256,7 +257,7 @@ def processes_free(entry: Mapping[str, Any], inflight: int) -> int | None:
     release) hold processes too."""
     info = entry.get("info") or {}
     limit = info.get("processes")
-    if not _count(limit) or limit < 1:
+    if not is_int(limit) or limit < 1:
         return None
     plain = info.get("plain_running")
     busy = len((entry.get("free") or {}).get("allocations") or [])
@@ -270,7 +271,7 @@ def _positive(value: Any) -> TypeGuard[float]:
 
 def _count(value: Any) -> TypeGuard[int]:
     """Whether a heartbeat value is a count: an int (not a bool), at least 0."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def nvlink_free(entry: Mapping[str, Any], gpus: int | None) -> int | None:

@@ -341,5 +341,5 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
                 "queues": sorted(self.subscribed),
                 "pinning": self.prefork,
                 "processes": pool_processes(getattr(self, "c", None)),
-                "plain_running": plain_running({a["task_id"] for a in alloc["allocations"]}),
+                "plain_running": plain_running(alloc["allocations"]),
             }

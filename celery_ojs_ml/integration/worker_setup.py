@@ -11,7 +11,7 @@ to its device set (`ojs_ml_recycle_gpu_children`, `configure_child_recycling`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -21,6 +21,7 @@ from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
 from celery_ojs_ml.integration import child, warm_pool
 from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.spec.flux_rules import is_int
 
 log = logging.getLogger("celery_ojs_ml.integration.worker")
 _CAPS_CACHE: LRU[str | None, Capabilities] = LRU(16)
@@ -67,19 +68,21 @@ def pool_processes(consumer: Any) -> int | None:
         found = consumer.pool.num_processes
     except Exception:  # no consumer or pool yet, or a pool that is not started
         return None
-    return found if isinstance(found, int) and not isinstance(found, bool) else None
+    return found if is_int(found) else None
 
 
-def plain_running(ml_ids: Collection[str]) -> int:
-    """Tasks running in this worker's pool that are not ML jobs (not in `ml_ids`, the
-    allocator's): each holds a pool process the fleet scheduler would otherwise count
-    free (`fleet_view.processes_free`). Celery 5.7's `celery.worker.state.active_requests`
+def plain_running(allocations: Iterable[Mapping[str, Any]]) -> int:
+    """Tasks running in this worker's pool that are not ML jobs (not among the
+    allocator's `allocations`, as its snapshot lists them): each holds a pool process
+    the fleet scheduler would otherwise count free (`fleet_view.processes_free`).
+    Celery 5.7's `celery.worker.state.active_requests`
     holds a request from its acceptance by a pool process to its end;
     `test_processes.py` in tests/integration fails if that changes."""
     try:
         found = [getattr(r, "id", None) for r in list(worker_state.active_requests)]
     except Exception:  # a Celery without it: count nothing, as before
         return 0
+    ml_ids = {a.get("task_id") for a in allocations}
     return sum(1 for task_id in found if task_id is not None and task_id not in ml_ids)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from celery_ojs_ml.errors import Violation
 from celery_ojs_ml.spec.flux_wording import (
@@ -210,7 +210,7 @@ def _slot_label(doc: Mapping[str, Any]) -> str | None:
     return None
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
