@@ -24,7 +24,8 @@ from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.integration import redis_intake
-from celery_ojs_ml.integration.fleet_view import BudgetHold, Ledger
+from celery_ojs_ml.integration.budget_holds import BudgetHold
+from celery_ojs_ml.integration.fleet_view import Ledger
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
 from celery_ojs_ml.integration.reservations import ReservationBook
 from celery_ojs_ml.integration.routing import ml_queue

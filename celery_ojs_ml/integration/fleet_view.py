@@ -15,7 +15,7 @@ assignment that no longer fits is given back with a reason.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -208,7 +208,10 @@ def worker_states(
     `inflight_jobs` the number of jobs (`Ledger.jobs`).
     """
     running: dict[str, list[RunningJob]] = {}
+    shown = allocated_ids(live)
     for lease in leases:
+        if _ended(lease, live, shown):
+            continue
         job = _running(lease, parse, (checkpoints or {}).get(str(lease.get("task_id"))))
         if job is not None:
             running.setdefault(str(lease.get("worker")), []).append(job)
@@ -315,6 +318,32 @@ def allocated_ids(live: Mapping[str, Mapping[str, Any]]) -> dict[str, frozenset[
     }
 
 
+_ENDED_AFTER_S = 0.05
+"""A heartbeat taken this long after a job's start shows it allocated if it still runs
+(the snapshot is taken just before the heartbeat's timestamp)."""
+
+
+def _ended(
+    lease: Mapping[str, Any],
+    live: Mapping[str, Mapping[str, Any]],
+    shown: Mapping[str, frozenset[str]],
+) -> bool:
+    """Whether a lease's job has ended though its lease is still there: its worker's
+    last heartbeat, taken well after the job started, does not show it allocated. The
+    worker writes a release with its next lease batch (`lease_writer`), after the
+    release's wake-up: counted as running, the job made its queue look past its fair
+    share to the pass that wake-up started (stop 27's CI), kept a stale end estimate
+    and could be picked as a preemption victim."""
+    worker = str(lease.get("worker"))
+    entry = live.get(worker)
+    if entry is None or "allocations" not in (entry.get("free") or {}):
+        return False  # no snapshot to tell
+    started = float(lease.get("started_at") or 0.0)
+    if float(entry.get("ts") or 0.0) <= started + _ENDED_AFTER_S:
+        return False
+    return str(lease.get("task_id")) not in shown.get(worker, frozenset())
+
+
 def _running(
     lease: Mapping[str, Any], parse: Parse, checkpoint_at: float | None
 ) -> RunningJob | None:
@@ -343,57 +372,3 @@ def _running(
     return RunningJob.of(
         str(lease.get("task_id")), req, float(lease.get("started_at") or 0.0), **extra
     )
-
-
-@dataclass
-class BudgetHold:
-    """A job this leader assigned, counted against its queue's budget until its lease shows."""
-
-    queue: str
-    gpus: int
-    worker: str
-
-
-def budget_inflight(
-    holds: dict[str, BudgetHold],
-    records: Mapping[str, Mapping[str, Any]],
-    leases: list[dict[str, Any]],
-    live: Mapping[str, Mapping[str, Any]],
-    started: Mapping[str, float | None],
-    ahead: Collection[str] = (),
-) -> list[tuple[str, int]]:
-    """(queue, GPUs) of the assigned jobs that hold budget and have no lease yet (§10.3).
-
-    `holds` are this leader's assignments; `started` gives, for those no longer
-    in the pending set, when their gate started them (None: not started, or
-    gone). A hold is counted until its lease shows (the lease is counted as a
-    running job), and dropped once the job is back to pending, gone, or ended:
-    started, no lease, and a heartbeat of its worker newer than its start that
-    does not show it allocated. Assigned records of an earlier leader are
-    counted from the pending set. `holds` is pruned in place. A hold in `ahead` (a job
-    this leader delivered ahead of capacity, `ojs_ml_prefetch`) is not counted while
-    its record is still assigned: it waits at its worker's gate and holds no GPU yet.
-    """
-    running = {str(lease.get("task_id")) for lease in leases}
-    allocated = allocated_ids(live)
-    out: list[tuple[str, int]] = []
-    for task_id, record in records.items():
-        if record.get("state") == ASSIGNED and task_id not in holds and task_id not in running:
-            meta = record.get("meta") or {}
-            out.append((str(meta.get("queue") or "celery"), int(meta.get("gpus") or 0)))
-    for task_id, hold in list(holds.items()):
-        found = records.get(task_id)
-        if task_id in running or (found is not None and found.get("state") == PENDING):
-            del holds[task_id]
-            continue
-        if found is not None and task_id in ahead and found.get("state") == ASSIGNED:
-            continue  # waiting at the gate; counted from its start
-        if found is None:
-            at = started.get(task_id)
-            beat = float((live.get(hold.worker) or {}).get("ts") or 0.0)
-            shown = task_id in allocated.get(hold.worker, frozenset())
-            if at is None or (beat > at and not shown):
-                del holds[task_id]  # gone, or it ended before its lease was written
-                continue
-        out.append((hold.queue, hold.gpus))
-    return out

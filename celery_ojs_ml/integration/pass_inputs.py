@@ -22,7 +22,8 @@ from datetime import datetime
 from typing import Any
 
 from celery_ojs_ml.checkpoint.records import last_checkpoints
-from celery_ojs_ml.integration.fleet_view import BudgetHold, Ledger, budget_inflight, pending_job
+from celery_ojs_ml.integration.budget_holds import BudgetHold, budget_inflight
+from celery_ojs_ml.integration.fleet_view import Ledger, pending_job
 from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.integration.pass_reads import read_pass
 from celery_ojs_ml.integration.reservations import ReservationBook

@@ -29,7 +29,10 @@ Key decisions:
 * A job of a queue with a GPU budget (§10.3) is not delivered ahead: a budget
   counts an assigned job as holding its GPUs, so one waiting at a gate would
   use up its queue's budget. With fair-share weights a job waiting at a gate
-  counts in its queue's share only from its start (`PassInputs._inflight`).
+  counts in its queue's share only from its start (`PassInputs._inflight`),
+  and is sent only where its start cannot push its queue past its weighted
+  share (`scheduler.fair.AheadShares`): the gate starts it at the next end
+  there, whichever queue's job ends, and knows no weights.
 * A job that ranks above a preemptible job running on the worker it is reserved
   on is not delivered ahead: it may preempt there once its victims have run
   `ojs_ml_min_runtime_before_preemption_s`, and only a pass plans that.
@@ -50,11 +53,13 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand, rank
+from celery_ojs_ml.integration.budget_holds import BudgetHold
 from celery_ojs_ml.integration.fleet_view import pending_job
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation, WorkerState
+from celery_ojs_ml.scheduler.fair import AheadShares, held_gpus, weighted_split
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
@@ -72,6 +77,10 @@ class Prefetching:
     """The annotation last written for each job delivered ahead, by task id."""
     _dirty: bool
     policy: Policy
+    _holds: dict[str, BudgetHold]
+    """`PassInputs._holds`: every assignment of this leader under weights or budgets."""
+    _pass_inflight: list[tuple[str, int]]
+    """The pass's `PassInputs._inflight`: (queue, GPUs) assigned and not yet running."""
 
     _deliver: Callable[..., bool]
     """`FleetScheduler._deliver`."""
@@ -96,6 +105,7 @@ class Prefetching:
         per worker, see module doc): their gate starts them as soon as a job there ends."""
         waiting = self._held_ahead(records)
         room = _room(fleet, _left(decision, fleet, jobs))
+        shares = self._ahead_shares(decision, fleet, records, jobs)
         turning = self._turning(fleet, now)
         horizon = float(self.settings.max_hold_s) / 2
         shut: set[str] = set()
@@ -111,11 +121,14 @@ class Prefetching:
                 not soon
                 or r.task_id in decision.escalations  # its message keeps its old band
                 or not self._may_send_ahead(job, room.get(r.worker), waiting.get(r.worker, 0), now)
+                or (shares is not None and not shares.admits(job, r.worker))
             ):
                 shut.add(r.worker)
                 continue
             assert job is not None
             waiting[r.worker] = waiting.get(r.worker, 0) + 1
+            if shares is not None:
+                shares.take(job, r.worker)
             if self._deliver(r.task_id, r.worker, records[r.task_id], job, (), now, prefetch=True):
                 notes[r.task_id] = _ahead_note(decision, r.task_id, r.worker, r.start)
         notes |= self._moved_estimates(fleet, records, notes, now)
@@ -124,6 +137,38 @@ class Prefetching:
             self._ahead_notes |= notes
             for task_id in notes:  # annotated afresh if it is taken back
                 self._notes[task_id] = ("delivered ahead", None)
+
+    def _ahead_shares(
+        self,
+        decision: Decision,
+        fleet: list[WorkerState],
+        records: dict[str, dict[str, Any]],
+        jobs: dict[str, PendingJob],
+    ) -> AheadShares | None:
+        """The queues' weighted shares and holdings (`AheadShares`); None without weights.
+        A queue's demand is what it holds, has held ahead and has waiting."""
+        weights = dict(self.policy.weights)
+        if not weights:
+            return None
+        held = held_gpus(fleet, self._pass_inflight)
+        on: dict[str, set[str]] = {w.name: {r.queue for r in w.running} for w in fleet}
+        ahead: dict[str, int] = {}
+        for task_id, hold in self._holds.items():
+            on.setdefault(hold.worker, set()).add(hold.queue)
+            record = records.get(task_id)
+            if task_id in self._prefetched and record and record.get("state") == ASSIGNED:
+                ahead[hold.queue] = ahead.get(hold.queue, 0) + hold.gpus
+        demand = {q: float(n) for q, n in held.items()}
+        placed = {a.task_id for a in decision.assignments}
+        placed |= {p.task_id for p in decision.preemptions}
+        for job in jobs.values():
+            if job.task_id in placed:  # assigned by this pass, after `_pass_inflight`
+                held[job.queue] = held.get(job.queue, 0) + _gpus(job)
+            demand[job.queue] = demand.get(job.queue, 0.0) + _gpus(job)
+        for queue, n in ahead.items():
+            demand[queue] = demand.get(queue, 0.0) + n
+        total = sum(w.caps.gpu_count for w in fleet if w.available)
+        return AheadShares(weighted_split(total, demand, weights), held, ahead, on)
 
     def _moved_estimates(
         self,
@@ -275,6 +320,10 @@ def ahead_estimates(
         if r.task_id not in ahead and (end := r.ends_at) is not None
     )
     return {task_id: ends[i] if i < len(ends) else None for i, task_id in enumerate(held)}
+
+
+def _gpus(job: PendingJob) -> int:
+    return int(job.req.ext_ml_gpu_count or 0)
 
 
 def _moved(old: float | None, new: float | None) -> bool:

@@ -36,9 +36,9 @@ from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.integration.admission import Admission
+from celery_ojs_ml.integration.budget_holds import BudgetHold
 from celery_ojs_ml.integration.delivery import Delivery, task_events_wanted
 from celery_ojs_ml.integration.fleet_view import (
-    BudgetHold,
     Ledger,
     allocated_ids,
     worker_states,
@@ -138,6 +138,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._rendezvous: dict[str, dict[str, Any]] = {}
         self._gap_s = _MIN_PASS_GAP_S
         self._prefetched: dict[str, str] = {}
+        self._pass_inflight: list[tuple[str, int]] = []
         self._ahead_notes: dict[str, tuple[str, float | None, str | None]] = {}
         self._turnover: dict[str, tuple[frozenset[str], float]] = {}
         self._lane: tuple[float, list[WorkerState]] | None = None
@@ -246,6 +247,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         waiting = self._waiting(records, now)
         counted = self.policy.counts_assignments
         inflight = self._inflight(records, leases, live) if counted else []
+        self._pass_inflight = inflight
         reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
         policy = self._pass_policy()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import groupby
 
 from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
@@ -74,3 +75,66 @@ def _interleave(
 
 def _share(queue: str, taken: Mapping[str, float], weights: Mapping[str, float]) -> float:
     return taken[queue] / max(weights.get(queue, 1.0), 1e-9)
+
+
+def weighted_split(
+    total: float, demand: Mapping[str, float], weights: Mapping[str, float]
+) -> dict[str, float]:
+    """Each queue's weighted max-min share of `total` GPUs (water-filling): a queue gets
+    its weight's part of what is left, or its whole `demand` where that is less, and
+    what it leaves goes to the others. A queue without a weight has weight 1."""
+    out = {q: 0.0 for q in demand}
+    active = {q for q, d in demand.items() if d > 0}
+    left = float(total)
+    while active and left > 1e-9:
+        part = left / sum(max(weights.get(q, 1.0), 1e-9) for q in active)
+        capped = {q for q in active if demand[q] - out[q] <= part * max(weights.get(q, 1.0), 1e-9)}
+        if not capped:
+            for q in active:
+                out[q] += part * max(weights.get(q, 1.0), 1e-9)
+            break
+        for q in capped:
+            left -= demand[q] - out[q]
+            out[q] = float(demand[q])
+        active -= capped
+    return out
+
+
+@dataclass
+class AheadShares:
+    """Which jobs may wait ahead at a gate (`ojs_ml_prefetch`) under fair-share weights.
+
+    A gate starts a job held ahead at the next end there, whichever queue's job
+    ends, and knows no weights. So a job is sent ahead only where its start cannot
+    push its queue past its weighted share (`weighted_split` of the fleet's GPUs):
+    either it replaces a job of its own queue (every job running or assigned on
+    that worker is of its queue) and the queue is within its share now, or the
+    queue stays within its share with it and every job of the queue already held
+    ahead counted as running. Elsewhere the next pass hands the freed GPUs out in
+    fair order, a few milliseconds later."""
+
+    share: dict[str, float]
+    """Each queue's weighted share of the fleet's GPUs."""
+    held: dict[str, int]
+    """GPUs each queue holds: running, and assigned to start (not held ahead)."""
+    ahead: dict[str, int]
+    """GPUs of each queue's jobs held ahead at gates."""
+    queues_on: dict[str, set[str]]
+    """Per worker: the queues of its running and assigned jobs."""
+
+    def admits(self, job: PendingJob | None, worker: str) -> bool:
+        """Whether `job` may wait ahead at `worker`'s gate."""
+        if job is None:
+            return False
+        queue, gpus = job.queue, int(job.req.ext_ml_gpu_count or 0)
+        share = self.share.get(queue, 0.0) + 1e-9
+        held = self.held.get(queue, 0)
+        if self.queues_on.get(worker, set()) <= {queue}:
+            return held <= share  # it takes the place of a job of its own queue
+        return held + self.ahead.get(queue, 0) + gpus <= share
+
+    def take(self, job: PendingJob, worker: str) -> None:
+        """Count a job sent ahead to `worker`."""
+        gpus = int(job.req.ext_ml_gpu_count or 0)
+        self.ahead[job.queue] = self.ahead.get(job.queue, 0) + gpus
+        self.queues_on.setdefault(worker, set()).add(job.queue)

@@ -3,8 +3,9 @@
 One 4-GPU worker consumes `train` and `infer`. Twelve 1-s `train` jobs are
 published first, then twelve `infer` jobs. In plain fleet order (FIFO) every
 GPU goes to `train` until its jobs are gone; with weights 3:1 `infer` gets
-about one GPU of four while both queues wait, with jobs delivered ahead to the
-gate (`ojs_ml_prefetch`, on by default) as without weights.
+about one GPU of four while both queues wait. Jobs are delivered ahead to a
+gate (`ojs_ml_prefetch`, on by default) only where their start cannot push
+their queue past its share: a gate starts them whichever queue's job ends.
 """
 
 from __future__ import annotations
@@ -56,9 +57,30 @@ def test_competing_queues_share_the_gpus_by_weight(
     peak = max(sum(1 for i in infer if runs[i]["start"] <= t < runs[i]["end"])
                for t in (runs[j]["start"] for j in train))  # fmt: skip
     assert peak <= 2, f"infer held {peak} of 4 GPUs while train waited (weight 1 of 4)"
-    # Prefetch (on by default) works with weights: a job held ahead at the gate is not
-    # counted in its queue's share until it starts.
+    app.close()
+
+
+def test_a_queue_alone_under_weights_still_gets_its_next_jobs_ahead_of_capacity(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Prefetch (on by default) works with weights: where every job on a worker is of
+    one queue, the next one takes the place of one of them at the gate (`AheadShares`)."""
+    store = OJSStore(redis_client, prefix="ojs")
+    conf = json.dumps({"ojs_ml_fair_share": WEIGHTS})
+    worker = WorkerProcess(
+        "four", redis_url, "profile:nvidia-a100x4", tmp_path, concurrency=6,
+        queue="train,infer", extra_env={"OJS_TEST_CONF": conf},
+    )  # fmt: skip
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    train = [record.apply_async(args=[f"t{i}", 1.0], queue="train").id for i in range(12)]
+    with running([worker], store):
+        deadline = time.monotonic() + 60
+        while len(_results(redis_client)) < 12 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    runs = [r["task_id"] for r in _results(redis_client)]
+    assert sorted(runs) == sorted(train), "every job ran exactly once"
     log = (tmp_path / "four.log").read_text()
-    held = [i for i in train + infer if f"ojs-ml: holding {i}:" in log]
-    assert held, "with weights, no job was delivered ahead of capacity"
+    ahead = [i for i in train if f"assigned {i} to four@test (ahead of capacity" in log]
+    assert ahead, "with weights, no job was delivered ahead of capacity"
     app.close()

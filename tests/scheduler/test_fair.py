@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, schedule
+from celery_ojs_ml.scheduler.fair import AheadShares, weighted_split
 from tests.scheduler.helpers import NOW, job, running, worker
 
 
@@ -80,3 +81,42 @@ def test_fairness_never_reorders_bands() -> None:
     weights = (("train", 1.0), ("infer", 100.0))
     decision = schedule(pending, [worker("w", queues=both)], NOW, Policy(weights=weights))
     assert _queues(decision, pending) == {"train": 8}
+
+
+def test_the_weighted_split_gives_each_queue_its_weights_part() -> None:
+    split = weighted_split(4, {"train": 12, "infer": 12}, {"train": 3, "infer": 1})
+    assert split == {"train": 3.0, "infer": 1.0}
+
+
+def test_a_queue_that_asks_for_less_leaves_the_rest_to_the_others() -> None:
+    split = weighted_split(8, {"train": 12, "infer": 1, "idle": 0}, {"infer": 3})
+    assert split == {"train": 7.0, "infer": 1.0, "idle": 0.0}
+
+
+def _shares(held: dict[str, int], on: set[str], ahead: dict[str, int] | None = None) -> AheadShares:
+    weights = {"train": 3.0, "infer": 1.0}
+    return AheadShares(
+        weighted_split(4, {"train": 12, "infer": 12}, weights), held, ahead or {}, {"w": on}
+    )
+
+
+def test_a_job_may_wait_ahead_only_where_its_start_keeps_its_queue_within_its_share() -> None:
+    """4 GPUs, weights 3:1, both queues loaded: shares 3 and 1 (prefetch, `AheadShares`)."""
+    infer, train = job("i", gpu_count=1, queue="infer"), job("t", gpu_count=1, queue="train")
+    # Both at their share on a worker running both: the next end may be either queue's,
+    # so a job started there ahead of a pass could take the other queue's GPU.
+    mixed = _shares({"train": 3, "infer": 1}, {"train", "infer"})
+    assert not mixed.admits(infer, "w") and not mixed.admits(train, "w")
+    # Below its share it may, once: counted, the second would pass the share.
+    below = _shares({"train": 2, "infer": 1}, {"train", "infer"})
+    assert below.admits(train, "w")
+    below.take(train, "w")
+    assert not below.admits(train, "w")
+    # Where every job is of its own queue it takes the place of one of them.
+    alone = _shares({"train": 3, "infer": 0}, {"train"})
+    assert alone.admits(train, "w")
+    alone.take(train, "w")
+    assert alone.admits(train, "w")
+    # ...unless the queue is past its share already: a pass hands the GPU out fairly.
+    over = _shares({"train": 4, "infer": 0}, {"train"})
+    assert not over.admits(train, "w") and over.admits(infer, "w")

@@ -91,7 +91,7 @@ def test_a_job_held_ahead_at_a_gate_counts_in_its_queues_share_only_once_it_star
     shows (`budget_inflight`); one delivered ahead of capacity (`ojs_ml_prefetch`) waits
     at its worker's gate and holds no GPU, so it is counted from its start, not before
     (counting it made `infer` look as if it held GPUs it was only waiting for)."""
-    from celery_ojs_ml.integration.fleet_view import BudgetHold, budget_inflight
+    from celery_ojs_ml.integration.budget_holds import BudgetHold, budget_inflight
 
     holds = {
         "ahead": BudgetHold("infer", 1, "w"),
@@ -106,3 +106,30 @@ def test_a_job_held_ahead_at_a_gate_counts_in_its_queues_share_only_once_it_star
     del records["ahead"]
     started = budget_inflight(holds, records, [], live, {"ahead": 101.0}, ahead={"ahead": "w"})
     assert sorted(started) == [("infer", 1), ("train", 2)]
+
+
+def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_is_not_running() -> None:
+    """A job's lease is released with the worker's next lease batch, after the wake-up
+    its release sends: the pass that wake-up starts must not count the ended job as
+    running (its queue would look past its fair share). A heartbeat older than the
+    job's start, or one that still shows it allocated, keeps it running."""
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.lru import LRU
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    headers = {"ext_ml_gpu_count": 1}
+    leases = [
+        {"task_id": t, "worker": "w", "started_at": 100.0, "devices": [i], "headers": headers}
+        for i, t in enumerate(("ended", "runs"))
+    ]
+
+    def running(ts: float, allocated: list[str]) -> set[str]:
+        snapshot = {"free": {"gpu_count": 3}, "allocations": [{"task_id": t} for t in allocated]}
+        live = {"w": {"capabilities": caps, "free": snapshot, "ts": ts, "info": {}}}
+        (state,) = worker_states(live, leases, {}, _parse, LRU(8))
+        return {r.task_id for r in state.running}
+
+    assert running(101.0, ["runs"]) == {"runs"}
+    assert running(101.0, ["runs", "ended"]) == {"ended", "runs"}
+    assert running(100.01, ["runs"]) == {"ended", "runs"}  # taken about when it started
