@@ -79,6 +79,8 @@ class Advertising(Gate):
     _bound: dict[str, Any]
     _bad_classes: set[str]
     _caps_doc: dict[str, Any] | None
+    _plain_advertised: int
+    """`info.plain_running` as last advertised."""
 
     def advertise(
         self,
@@ -100,6 +102,7 @@ class Advertising(Gate):
         try:
             if wake is None or self._caps_doc is None:
                 self._caps_doc = self._advertised_caps()
+            plain = self._plain_advertised = plain_running(snap["allocations"])
             info = {
                 "pid": os.getpid(),
                 "pinning": self.prefork,
@@ -107,7 +110,7 @@ class Advertising(Gate):
                 "address": self.address,
                 "task_events": task_events_on(getattr(self, "c", None)),
                 "processes": pool_processes(getattr(self, "c", None)),
-                "plain_running": plain_running(snap["allocations"]),
+                "plain_running": plain,
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}
@@ -115,6 +118,16 @@ class Advertising(Gate):
                 self.store.advertise(*args, **kwargs)
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
+
+    def plain_changed(self) -> bool:
+        """Whether the plain Celery tasks running here changed since the last advertisement.
+
+        No release reports them, and a leader deciding an arrival on the fleet its
+        last quiet pass read (`lane`) would not see the heartbeat that does: the
+        heartbeat that carries a change wakes the leader (stop 28's CI)."""
+        with self.lock:
+            allocations = self.allocator.snapshot()["allocations"]
+        return plain_running(allocations) != self._plain_advertised
 
     def _advertised_caps(self) -> dict[str, Any]:
         """The capabilities with `models_loaded` as the pool children hold them now (§11)."""

@@ -135,6 +135,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
         self._wake_due = False
         self._caps_doc: dict[str, Any] | None = None
+        self._plain_advertised = 0
         self._wake_list: str | None = None
         self.router: Any = None
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
@@ -185,7 +186,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         self._start_scheduler()
         self._timers = [
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
-            c.timer.call_repeatedly(s.heartbeat_s, self.advertise),
+            c.timer.call_repeatedly(s.heartbeat_s, self._heartbeat),
             c.timer.call_repeatedly(s.heartbeat_s, self.tend_leases),
             c.timer.call_repeatedly(min(1.0, s.max_hold_s / 4), self.expire_holds),
         ]
@@ -244,6 +245,14 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             send_wake(self.app, self.hostname)
         except Exception as exc:  # the scheduler also passes on its own interval
             log.warning("ojs-ml: could not wake the scheduler: %s", exc)
+
+    def _heartbeat(self) -> None:
+        """The periodic advertisement; one that reports a change in the plain tasks
+        running here also wakes the scheduler (`plain_changed`)."""
+        if self.plain_changed():
+            self._wake_now()
+        else:
+            self.advertise()
 
     def _wake_item(self) -> tuple[str, bytes] | None:
         """A wake-up for the store's own client (`redis_intake.wake_list`); None where

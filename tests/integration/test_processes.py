@@ -114,3 +114,35 @@ def _on_devices(store: OJSStore, task_id: str) -> bool:
         if task_id in (view.get("free", {}).get("devices") or {}).values():
             return True
     return False
+
+
+def test_a_heartbeat_that_reports_a_change_in_plain_tasks_wakes_the_scheduler(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """No release reports a plain task, and a leader deciding an arrival on the fleet its
+    last quiet pass read (the fast lane) would not see the heartbeat that does: `next`
+    went to `one`'s busy process (stop 28's CI). The heartbeat that carries a change
+    pushes a wake-up on the intake, which ends the lane. `one` leads nothing here
+    (`ojs_ml_scheduler="off"`), so its wake-ups stay on the intake to be counted."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    conf = json.dumps({"ojs_ml_scheduler": "off"})
+    one = WorkerProcess(
+        "one", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=1,
+        queue="celery,slow", extra_env={"OJS_TEST_CONF": conf},
+    )  # fmt: skip
+
+    def wakes() -> int:
+        found = redis_client.lrange("ojs.ml.intake", 0, -1)
+        return sum(b'"ojs_wake": "one@test"' in m for m in found)
+
+    with running([one], store):
+        _wait(lambda: _plain_running(store, "one@test") == 0, 20, "one's heartbeat")
+        joined = wakes()  # a worker joining wakes the scheduler
+        assert joined >= 1
+        app.tasks["plain.sleep"].apply_async(args=["plain", 4.0], queue="slow")
+        _wait(lambda: _plain_running(store, "one@test") == 1, 15, "one's plain task reported")
+        assert wakes() == joined + 1, "the heartbeat that reported the plain task woke no one"
+        _wait(lambda: _plain_running(store, "one@test") == 0, 15, "the plain task's end reported")
+        assert wakes() == joined + 2
+    app.close()
