@@ -14,6 +14,7 @@ assignment that no longer fits is given back with a reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -210,9 +211,9 @@ def worker_states(
     running: dict[str, list[RunningJob]] = {}
     shown = allocated_ids(live)
     for lease in leases:
-        if _ended(lease, live, shown):
-            continue
         job = _running(lease, parse, (checkpoints or {}).get(str(lease.get("task_id"))))
+        if job is not None and _ended(lease, live, shown):
+            job = dataclasses.replace(job, ended=True)
         if job is not None:
             running.setdefault(str(lease.get("worker")), []).append(job)
     states = []
@@ -331,9 +332,10 @@ def _ended(
     """Whether a lease's job has ended though its lease is still there: its worker's
     last heartbeat, taken well after the job started, does not show it allocated. The
     worker writes a release with its next lease batch (`lease_writer`), after the
-    release's wake-up: counted as running, the job made its queue look past its fair
-    share to the pass that wake-up started (stop 27's CI), kept a stale end estimate
-    and could be picked as a preemption victim."""
+    release's wake-up: counted in its queue's holdings, the job made its queue look
+    past its fair share to the pass that wake-up started (stop 27's CI). It is kept
+    as running otherwise (`RunningJob.ended`): dropped, a worker of short jobs looked
+    idle to prefetch (`_room`) and `bench/inference.py` lost 0.03-0.06."""
     worker = str(lease.get("worker"))
     entry = live.get(worker)
     if entry is None or "allocations" not in (entry.get("free") or {}):

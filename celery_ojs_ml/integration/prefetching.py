@@ -161,14 +161,17 @@ class Prefetching:
         demand = {q: float(n) for q, n in held.items()}
         placed = {a.task_id for a in decision.assignments}
         placed |= {p.task_id for p in decision.preemptions}
+        waiting: dict[str, int] = {}
         for job in jobs.values():
             if job.task_id in placed:  # assigned by this pass, after `_pass_inflight`
                 held[job.queue] = held.get(job.queue, 0) + _gpus(job)
+            else:
+                waiting[job.queue] = waiting.get(job.queue, 0) + max(1, _gpus(job))
             demand[job.queue] = demand.get(job.queue, 0.0) + _gpus(job)
         for queue, n in ahead.items():
             demand[queue] = demand.get(queue, 0.0) + n
         total = sum(w.caps.gpu_count for w in fleet if w.available)
-        return AheadShares(weighted_split(total, demand, weights), held, ahead, on)
+        return AheadShares(weighted_split(total, demand, weights), held, ahead, on, waiting)
 
     def _moved_estimates(
         self,

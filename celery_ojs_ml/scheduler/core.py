@@ -172,7 +172,7 @@ class Planner:
         inflight: Iterable[tuple[str, int]] = (),
     ) -> None:
         self.now, self.policy = now, policy
-        held = [(r.queue, r.gpus) for w in fleet for r in w.running]
+        held = [(r.queue, r.gpus) for w in fleet for r in w.running if not r.ended]
         self.budgets = BudgetBook(dict(policy.budgets), [*held, *inflight])
         largest = max((w.caps.gpu_count for w in fleet), default=0)
         sizes = {w.caps.gpu_count for w in fleet}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
@@ -34,7 +34,8 @@ def held_gpus(
     out: dict[str, int] = {}
     for w in fleet:
         for r in w.running:
-            out[r.queue] = out.get(r.queue, 0) + r.gpus
+            if not r.ended:
+                out[r.queue] = out.get(r.queue, 0) + r.gpus
     for queue, gpus in inflight:
         out[queue] = out.get(queue, 0) + gpus
     return out
@@ -105,13 +106,14 @@ class AheadShares:
     """Which jobs may wait ahead at a gate (`ojs_ml_prefetch`) under fair-share weights.
 
     A gate starts a job held ahead at the next end there, whichever queue's job
-    ends, and knows no weights. So a job is sent ahead only where its start cannot
-    push its queue past its weighted share (`weighted_split` of the fleet's GPUs):
-    either it replaces a job of its own queue (every job running or assigned on
-    that worker is of its queue) and the queue is within its share now, or the
-    queue stays within its share with it and every job of the queue already held
-    ahead counted as running. Elsewhere the next pass hands the freed GPUs out in
-    fair order, a few milliseconds later."""
+    ends, and knows no weights. So while another queue has jobs waiting, a job is
+    sent ahead only where its start cannot push its queue past its weighted share
+    (`weighted_split` of the fleet's GPUs): either it replaces a job of its own
+    queue (every job running or assigned on that worker is of its queue) and the
+    queue is within its share now, or the queue stays within its share with it
+    and every job of the queue already held ahead counted as running. Elsewhere
+    the next pass hands the freed GPUs out in fair order, a few milliseconds
+    later. With no other queue waiting there is no one to be unfair to."""
 
     share: dict[str, float]
     """Each queue's weighted share of the fleet's GPUs."""
@@ -121,12 +123,16 @@ class AheadShares:
     """GPUs of each queue's jobs held ahead at gates."""
     queues_on: dict[str, set[str]]
     """Per worker: the queues of its running and assigned jobs."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """GPUs of each queue's jobs waiting (neither assigned nor held ahead)."""
 
     def admits(self, job: PendingJob | None, worker: str) -> bool:
         """Whether `job` may wait ahead at `worker`'s gate."""
         if job is None:
             return False
         queue, gpus = job.queue, int(job.req.ext_ml_gpu_count or 0)
+        if not any(n > 0 for q, n in self.waiting.items() if q != queue):
+            return True  # no other queue waits: a start cannot take its GPU
         share = self.share.get(queue, 0.0) + 1e-9
         held = self.held.get(queue, 0)
         if self.queues_on.get(worker, set()) <= {queue}:
@@ -137,4 +143,5 @@ class AheadShares:
         """Count a job sent ahead to `worker`."""
         gpus = int(job.req.ext_ml_gpu_count or 0)
         self.ahead[job.queue] = self.ahead.get(job.queue, 0) + gpus
+        self.waiting[job.queue] = self.waiting.get(job.queue, 0) - gpus
         self.queues_on.setdefault(worker, set()).add(job.queue)

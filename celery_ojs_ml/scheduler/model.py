@@ -110,6 +110,10 @@ class RunningJob:
     """The reservation it runs inside (`ext_ml_reservation_id`, §8.3), if any."""
     gpu_milli: int = 0
     """A GPU share's milli-GPU on its one device (`allocator.sharing`); 0: whole GPUs."""
+    ended: bool = False
+    """Its worker's heartbeat no longer shows it: it ended, and the release of its lease
+    is not written yet. It holds nothing of its queue's share or budget; elsewhere it
+    still counts as running (its worker's free capacity is the heartbeat's anyway)."""
 
     @classmethod
     def of(cls, task_id: str, req: MLRequirements, started_at: float, **kw: Any) -> RunningJob:

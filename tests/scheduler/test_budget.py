@@ -108,3 +108,13 @@ def test_the_budget_report_gives_each_queues_use_and_limits() -> None:
     assert decide([], [worker("w1", queues=BOTH)], budgets=TRAIN2).budgets == {
         "train": {"gpus": 0, "max_total_gpus": 2, "jobs": 0, "max_concurrent_gpu_jobs": None}
     }
+
+
+def test_a_job_that_ended_while_its_lease_lingers_holds_none_of_its_queues_budget() -> None:
+    """`RunningJob.ended`: the worker's heartbeat no longer shows it; its lease's release
+    is written with the next batch. The GPUs it held are free in the heartbeat, and its
+    queue's budget is too."""
+    gone = running("r1", gpu_count=2, queue="train", limit=60, ended=True)
+    fleet = [worker("w1", queues=BOTH, jobs=[gone])]
+    decision = decide([job("t1", at=1, gpu_count=1, queue="train")], fleet, budgets=TRAIN2)
+    assert [a.task_id for a in decision.assignments] == ["t1"]

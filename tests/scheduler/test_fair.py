@@ -95,9 +95,9 @@ def test_a_queue_that_asks_for_less_leaves_the_rest_to_the_others() -> None:
 
 def _shares(held: dict[str, int], on: set[str], ahead: dict[str, int] | None = None) -> AheadShares:
     weights = {"train": 3.0, "infer": 1.0}
-    return AheadShares(
-        weighted_split(4, {"train": 12, "infer": 12}, weights), held, ahead or {}, {"w": on}
-    )
+    split = weighted_split(4, {"train": 12, "infer": 12}, weights)
+    waiting = {"train": 8, "infer": 8}  # both queues have jobs waiting
+    return AheadShares(split, held, ahead or {}, {"w": on}, waiting)
 
 
 def test_a_job_may_wait_ahead_only_where_its_start_keeps_its_queue_within_its_share() -> None:
@@ -120,3 +120,15 @@ def test_a_job_may_wait_ahead_only_where_its_start_keeps_its_queue_within_its_sh
     # ...unless the queue is past its share already: a pass hands the GPU out fairly.
     over = _shares({"train": 4, "infer": 0}, {"train"})
     assert not over.admits(train, "w") and over.admits(infer, "w")
+
+
+def test_with_no_other_queue_waiting_a_job_may_wait_ahead_past_its_share() -> None:
+    """Work-conserving: only a queue with jobs waiting can lose a GPU to a start."""
+    train = job("t", gpu_count=1, queue="train")
+    split = weighted_split(4, {"train": 12, "infer": 1}, {"train": 1.0, "infer": 3.0})
+    alone = AheadShares(split, {"train": 3, "infer": 1}, {}, {"w": {"train", "infer"}})
+    assert alone.admits(train, "w")
+    waits = AheadShares(
+        split, {"train": 3, "infer": 1}, {}, {"w": {"train", "infer"}}, {"infer": 1}
+    )
+    assert not waits.admits(train, "w")

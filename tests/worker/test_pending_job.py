@@ -108,14 +108,15 @@ def test_a_job_held_ahead_at_a_gate_counts_in_its_queues_share_only_once_it_star
     assert sorted(started) == [("infer", 1), ("train", 2)]
 
 
-def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_is_not_running() -> None:
+def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_has_ended() -> None:
     """A job's lease is released with the worker's next lease batch, after the wake-up
-    its release sends: the pass that wake-up starts must not count the ended job as
-    running (its queue would look past its fair share). A heartbeat older than the
-    job's start, or one that still shows it allocated, keeps it running."""
+    its release sends: the pass that wake-up starts must not count the ended job in its
+    queue's holdings (its queue would look past its fair share). A heartbeat older than
+    the job's start, or one that still shows it allocated, keeps it running."""
     from celery_ojs_ml.capabilities import resolve_capabilities
     from celery_ojs_ml.integration.fleet_view import worker_states
     from celery_ojs_ml.lru import LRU
+    from celery_ojs_ml.scheduler.fair import held_gpus
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
     headers = {"ext_ml_gpu_count": 1}
@@ -128,7 +129,9 @@ def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_is_not_ru
         snapshot = {"free": {"gpu_count": 3}, "allocations": [{"task_id": t} for t in allocated]}
         live = {"w": {"capabilities": caps, "free": snapshot, "ts": ts, "info": {}}}
         (state,) = worker_states(live, leases, {}, _parse, LRU(8))
-        return {r.task_id for r in state.running}
+        assert {r.task_id for r in state.running} == {"ended", "runs"}
+        assert held_gpus([state]) == {"celery": len([r for r in state.running if not r.ended])}
+        return {r.task_id for r in state.running if not r.ended}
 
     assert running(101.0, ["runs"]) == {"runs"}
     assert running(101.0, ["runs", "ended"]) == {"ended", "runs"}
