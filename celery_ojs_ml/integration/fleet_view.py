@@ -201,15 +201,17 @@ def worker_states(
     inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
     inflight_shares: Mapping[str, list[MLRequirements]] | None = None,
     inflight_jobs: Mapping[str, int] | None = None,
+    shown: Mapping[str, frozenset[str]] | None = None,
 ) -> list[WorkerState]:
     """Every live worker with its free capacity (less the ledger) and its running jobs.
 
     `checkpoints` maps a running job to when its last checkpoint was committed;
     `inflight_shares` are GPU shares assigned since a worker's last heartbeat, and
-    `inflight_jobs` the number of jobs (`Ledger.jobs`).
+    `inflight_jobs` the number of jobs (`Ledger.jobs`); `shown` is `allocated_ids(live)`
+    where the caller has it already.
     """
     running: dict[str, list[RunningJob]] = {}
-    shown = allocated_ids(live)
+    shown = allocated_ids(live) if shown is None else shown
     for lease in leases:
         job = _running(lease, parse, (checkpoints or {}).get(str(lease.get("task_id"))))
         if job is not None and _ended(lease, live, shown):

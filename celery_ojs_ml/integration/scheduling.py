@@ -269,7 +269,8 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
     ) -> list[WorkerState]:
         """The core's view of the live workers: reports, leases, assignments in flight."""
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
-        used = self.ledger.used(records, beats, allocated_ids(live), now, self._started_at)
+        shown = allocated_ids(live)
+        used = self.ledger.used(records, beats, shown, now, self._started_at)
         return worker_states(
             live,
             leases,
@@ -280,6 +281,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             self.ledger.labels(),
             self.ledger.shares(),
             self.ledger.jobs(),
+            shown,
         )
 
     def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
