@@ -7,6 +7,7 @@ the same app with one switch:
     OJS_BENCH_PLUGIN   "1": install `OJSML(app)`; "0" (default): plain Celery
     OJS_BENCH_RECYCLE  `ojs_ml_recycle_gpu_children` ("cuda", "always", "never")
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
+    OJS_BENCH_ML_PREFETCH `ojs_ml_prefetch` of the plugin (default: the plugin's)
 
 Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
 `ml={"ext_ml_gpu_count": 1}`, which the plugin routes to a requirement-class
@@ -56,6 +57,8 @@ def make_app(
 
         if recycle is not None:
             app.conf.ojs_ml_recycle_gpu_children = recycle
+        if os.environ.get("OJS_BENCH_ML_PREFETCH"):
+            app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_ML_PREFETCH"])
         OJSML(app)
     _define_tasks(app, broker)
     return app

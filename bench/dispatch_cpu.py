@@ -8,7 +8,8 @@ children, the plugin's scheduler process (the leader, a spawned child of the wor
 Redis, and this process (which publishes). Both variants are CPU-bound on a 2-core
 machine, so the throughput ratio follows the totals (docs/performance.md, "fourteenth
 session"). `--redis-commands` also counts the Redis commands of one plugin burst by
-command and key shape (Redis `MONITOR`).
+command and key shape (Redis `MONITOR`); `lua` marks a command run inside a script (no
+round trip of its own).
 
     .venv/bin/python bench/dispatch_cpu.py [--tasks 600] [--segments 3] [--redis-commands]
 """
@@ -103,7 +104,8 @@ def redis_commands(bench: Bench, worker: Worker, url: str, n: int) -> list[tuple
                     script, key = parts[1][:6] + " ", parts[3] if len(parts) > 3 else ""
                 key = re.sub(r"[0-9a-f]{8}-[0-9a-f-]{27}", "<id>", key)
                 shape = script + re.sub(r"[0-9]+", "N", key)
-                seen[f"{parts[0].upper():10s} {shape[:60]}"] += 1
+                where = "lua " if cmd.get("client_type") == "lua" else ""
+                seen[f"{where}{parts[0].upper():10s} {shape[:60]}"] += 1
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -113,7 +115,7 @@ def redis_commands(bench: Bench, worker: Worker, url: str, n: int) -> list[tuple
     stop.set()
     client.ping()  # one more command, so the monitor loop sees `stop`
     thread.join(5)
-    return [(count / n, what) for what, count in seen.most_common(40)]
+    return [(count / n, what) for what, count in seen.most_common(60)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
