@@ -23,8 +23,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), each taking whole test files:
+# the integration tests mostly wait on real workers, so two processes halve the time on
+# two cores. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
