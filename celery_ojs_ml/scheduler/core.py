@@ -35,7 +35,7 @@ from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
-from celery_ojs_ml.scheduler.fair import fair_order, held_gpus
+from celery_ojs_ml.scheduler.fair import fair_order, held_gpus, holdings
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.frag import Kind, kind_of
 from celery_ojs_ml.scheduler.gang import place_gangs
@@ -172,8 +172,7 @@ class Planner:
         inflight: Iterable[tuple[str, int]] = (),
     ) -> None:
         self.now, self.policy = now, policy
-        held = [(r.queue, r.gpus) for w in fleet for r in w.running if not r.ended]
-        self.budgets = BudgetBook(dict(policy.budgets), [*held, *inflight])
+        self.budgets = BudgetBook(dict(policy.budgets), [*holdings(fleet), *inflight])
         largest = max((w.caps.gpu_count for w in fleet), default=0)
         sizes = {w.caps.gpu_count for w in fleet}
         alike = _by_requirements(pending)

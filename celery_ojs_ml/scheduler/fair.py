@@ -15,12 +15,22 @@ whole pass, so reservations and backfill follow it.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
 from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, in_order, order_key
+
+
+def holdings(fleet: Sequence[WorkerState]) -> Iterator[tuple[str, int]]:
+    """(queue, GPUs) of every running job that holds its queue's GPUs: all but those
+    that ended while their lease lingers (`RunningJob.ended`). Fair order and queue
+    budgets both count these."""
+    for w in fleet:
+        for r in w.running:
+            if not r.ended:
+                yield r.queue, r.gpus
 
 
 def held_gpus(
@@ -32,11 +42,7 @@ def held_gpus(
     Without the latter a pass that runs between an assignment and its lease
     sees the queue's share too low and hands it a second GPU."""
     out: dict[str, int] = {}
-    for w in fleet:
-        for r in w.running:
-            if not r.ended:
-                out[r.queue] = out.get(r.queue, 0) + r.gpus
-    for queue, gpus in inflight:
+    for queue, gpus in (*holdings(fleet), *inflight):
         out[queue] = out.get(queue, 0) + gpus
     return out
 
@@ -143,5 +149,6 @@ class AheadShares:
         """Count a job sent ahead to `worker`."""
         gpus = int(job.req.ext_ml_gpu_count or 0)
         self.ahead[job.queue] = self.ahead.get(job.queue, 0) + gpus
-        self.waiting[job.queue] = self.waiting.get(job.queue, 0) - gpus
+        # `waiting` counts a job without GPUs as 1 (`Prefetching._ahead_shares`)
+        self.waiting[job.queue] = self.waiting.get(job.queue, 0) - max(1, gpus)
         self.queues_on.setdefault(worker, set()).add(job.queue)
