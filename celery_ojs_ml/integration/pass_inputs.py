@@ -31,7 +31,8 @@ from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.pending_view import PendingView
-from celery_ojs_ml.scheduler import PendingJob, Policy
+from celery_ojs_ml.scheduler import PendingJob, Policy, in_order
+from celery_ojs_ml.scheduler.window import Window
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import OJSStore
 
@@ -41,6 +42,11 @@ _JOB = "\x00job"
 """Key under which the leader keeps a held record's parsed `PendingJob` (never stored)."""
 _RETURN_BACKOFF_S = 0.5
 """How long a job given back by a gate (or taken back) waits before it is assigned again."""
+_FULL_PASS_SHARE = 10.0
+"""A full pass comes at most once per this many times the last one's cost (about a tenth
+of the leader's time at most)."""
+_WINDOW_PER_DEPTH = 4
+"""The window (`scheduler.window`) holds this many times `ojs_ml_queue_depth` jobs."""
 
 
 class PassInputs:
@@ -63,6 +69,10 @@ class PassInputs:
     _admission: Callable[[Any], Callable[[Any], None] | None]
     _jobs: LRU[tuple[str, str, str], PendingJob | None]
     _full_pass_at: float
+    _full_cost_s: float
+    _deciding_all: bool
+    _window: Window | None
+    _fresh: set[str] | None
     _dirty: bool
     parse: Callable[[Any], MLRequirements | None]
     _quiet: Callable[[dict[str, Any], list[Any]], None]
@@ -75,6 +85,10 @@ class PassInputs:
             self.store, self.book, self.leases, self.reservations.key, assigned, self._admission
         )
         self._starts = {} if reads is None else reads.started
+        if reads is None or self._fresh is None:  # no change marks: no window
+            self._fresh = None if reads is None else set(reads.changed)
+        else:
+            self._fresh |= reads.changed
         if self._intake:  # not admitted with the reads (no Lua): now, and pass again soon
             self._admit()
             self._dirty = self._dirty or reads is not None
@@ -91,16 +105,60 @@ class PassInputs:
         return records, reserving, reads.workers, reads.leases
 
     def _pass_policy(self) -> Policy:
-        """The full policy every `ojs_ml_full_pass_s`; between, only the first
-        `ojs_ml_queue_depth` jobs in order are decided (`scheduler.core._ordered`)."""
+        """The full policy every `ojs_ml_full_pass_s` (or every `_FULL_PASS_SHARE` times
+        the last full pass's cost, when longer: a full pass over a backlog of 10,000 jobs
+        takes a good part of a second); between, only the first `ojs_ml_queue_depth`
+        jobs in order are decided (`scheduler.core._ordered`)."""
         at = time.monotonic()
-        if at - self._full_pass_at >= self.settings.full_pass_s:
+        every = max(self.settings.full_pass_s, _FULL_PASS_SHARE * self._full_cost_s)
+        self._deciding_all = at - self._full_pass_at >= every
+        if self._deciding_all:
             self._full_pass_at = at
             return self.policy
         # `Policy.settle` (stop early) is built and tested in the core but not used here: on
         # again after the `overdue_s` fix it passed the starvation test 12 of 12 but gave no
         # inference gain beyond noise (docs/performance.md, tenth session).
         return replace(self.policy, queue_depth=self.settings.queue_depth)
+
+    def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
+        """The pending records the pass decides: every one on a full pass; between, those
+        the window picks (`scheduler.window`). One sitting out a give-back keeps its place
+        in order, with no start before the back-off ends (`PendingJob.not_before`)."""
+        picked = self._window_pick(records)
+        items = records.items() if picked is None else ((i, records[i]) for i in picked)
+        waiting: list[PendingJob] = []
+        for task_id, record in items:
+            if record.get("state") != "pending":
+                continue
+            job = self._pending_job(task_id, record)
+            if job is None:
+                continue
+            until = self._cooled_at(record)
+            waiting.append(replace(job, not_before=until) if until > now else job)
+        if picked is None:
+            self._window_from(waiting, records)
+        return waiting
+
+    def _window_pick(self, records: dict[str, Any]) -> list[str] | None:
+        """The window's pick (`Window.pick`); None: decide from every record (a full pass,
+        a backlog the window holds whole, fair-share weights, no change marks, or the
+        window ran out)."""
+        window = self._window
+        depth = self.settings.queue_depth
+        if self._deciding_all or window is None or self._fresh is None:
+            return None
+        if len(records) <= _WINDOW_PER_DEPTH * depth:
+            return None
+        return window.pick(records, self._fresh, depth)
+
+    def _window_from(self, waiting: list[PendingJob], records: dict[str, Any]) -> None:
+        """A new window from every waiting job (see `_window_pick` for when none is kept)."""
+        size = _WINDOW_PER_DEPTH * self.settings.queue_depth
+        self._window = None
+        if self._fresh is None or self.policy.weights or len(records) <= size:
+            return
+        self._window = Window.of(in_order(waiting), records.keys(), size)
+        self._fresh = set()
 
     def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
         """The core's view of a waiting record, parsed once per admission and priority, and
@@ -161,6 +219,8 @@ class PassInputs:
                 if self.book.take_back(task_id, str(record.get("token")), why):
                     log.warning("ojs-ml: took back %s from %s (%s)", task_id, worker, why)
                     record["state"] = "pending"
+                    if self._fresh is not None:
+                        self._fresh.add(task_id)
                     self._dirty = True
 
     def _checkpoints(self, leases: list[dict[str, Any]]) -> dict[str, float]:

@@ -82,13 +82,22 @@ def read_pass(
         if isinstance(reply, Exception):
             raise reply
     return PassReads(
-        [_text(i) for i in ids],
+        _texts(ids),
         {_text(i) for i in changed or ()},
         bool(exists),
         _script(workers, store.live_workers, lambda f: {n: json.loads(v) for n, v in pairs(f)}),
         _script(found, leases.all, lambda f: [json.loads(v) for _, v in pairs(f)]),
         book.parse_started(assigned, starts),
     )
+
+
+def _texts(items: list[Any]) -> list[str]:
+    """`_text` of every item; the whole index of the pending set on every pass, so in C
+    where every item is bytes (as redis-py returns them)."""
+    try:
+        return list(map(bytes.decode, items))
+    except TypeError:
+        return [_text(i) for i in items]
 
 
 def _script(reply: Any, again: Callable[[], Any], parse: Callable[[Any], Any]) -> Any:

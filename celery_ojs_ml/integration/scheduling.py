@@ -31,7 +31,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
@@ -56,6 +55,7 @@ from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.pending_view import PendingView
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
+from celery_ojs_ml.scheduler.window import Window
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,12 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._dirty = True
         self._woken = False
         self._full_pass_at = -1e9
+        self._full_cost_s = 0.0
+        self._deciding_all = True
+        self._window: Window | None = None
+        """The first jobs in order at the last complete ordering (`scheduler.window`)."""
+        self._fresh: set[str] | None = set()
+        """Jobs whose record changed since the window was made; None: no change marks."""
         self._declared: set[str] = set()
         self._notes: LRU[str, tuple[str, float | None]] = LRU(100_000)
         self._conn: Any = None
@@ -244,16 +250,19 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._task_events = task_events_wanted(live)
         self._take_back(records, live, now)
         fleet = self._fleet(records, live, leases, now)
+        policy = self._pass_policy()
         waiting = self._waiting(records, now)
         counted = self.policy.counts_assignments
         inflight = self._inflight(records, leases, live) if counted else []
         self._pass_inflight = inflight
         reserved = self.reservations.tend(now) if reserving else {}
         pools = pools_of(reserved, live, self.admission.parse, now)
-        policy = self._pass_policy()
+        began = time.monotonic()
         decision = schedule(
             waiting, fleet, now, policy, memo=self.memo, inflight=inflight, pools=pools
         )
+        if self._deciding_all:
+            self._full_cost_s = time.monotonic() - began
         if decision.budgets:
             key = self.store.key("scheduler", "budgets")
             self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
@@ -283,20 +292,6 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             self.ledger.jobs(),
             shown,
         )
-
-    def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
-        """The pending records the pass decides. One sitting out a give-back keeps its place
-        in order, with no start before the back-off ends (`PendingJob.not_before`)."""
-        waiting: list[PendingJob] = []
-        for task_id, record in records.items():
-            if record.get("state") != "pending":
-                continue
-            job = self._pending_job(task_id, record)
-            if job is None:
-                continue
-            until = self._cooled_at(record)
-            waiting.append(replace(job, not_before=until) if until > now else job)
-        return waiting
 
     def _carry_out(
         self,

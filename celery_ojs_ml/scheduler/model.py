@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from celery_ojs_ml.allocator.model import Demand, preemptible_of
+from celery_ojs_ml.allocator.model import Demand, preemptible_of, rank
 from celery_ojs_ml.allocator.sharing import FULL
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity
@@ -63,6 +63,9 @@ class PendingJob:
     """Earliest start, scheduler clock: a job given or taken back sits out a back-off. It
     keeps its place in order and takes a reservation meanwhile, so no later job that would
     delay it backfills onto the capacity it is waiting for."""
+    order: tuple[int, int, float, str] = field(init=False, repr=False, compare=False)
+    """Its place in fleet order (`scheduler.order.order_key`), computed once: a pass over a
+    backlog of thousands sorts it on every pass."""
 
     def __post_init__(self) -> None:
         if self.gpu_affinity not in GPU_AFFINITIES:
@@ -76,6 +79,8 @@ class PendingJob:
             object.__setattr__(self, "time_limit_s", float(self.req.ext_ml_timeout_seconds))
         if not self.class_key:
             object.__setattr__(self, "class_key", class_id(self.req))
+        key = (-rank(self.band), -self.priority, self.submitted_at, self.task_id)
+        object.__setattr__(self, "order", key)
 
 
 @dataclass(frozen=True, slots=True)

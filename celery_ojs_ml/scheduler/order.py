@@ -11,22 +11,24 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
-from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.scheduler.model import PendingJob
 from celery_ojs_ml.scheduler.vectors import Vec, demand_of
 
 OrderKey = tuple[int, int, float, str]
+_ORDER = attrgetter("order")
 
 
 def order_key(job: PendingJob) -> OrderKey:
-    """The job's place in fleet order; smaller goes first."""
-    return (-rank(job.band), -job.priority, job.submitted_at, job.task_id)
+    """The job's place in fleet order; smaller goes first: band (`rank`), priority, submit
+    time, task id (computed once, by `PendingJob`)."""
+    return job.order
 
 
 def in_order(pending: Iterable[PendingJob]) -> list[PendingJob]:
     """Pending jobs in fleet order."""
-    return sorted(pending, key=order_key)
+    return sorted(pending, key=_ORDER)
 
 
 @dataclass(frozen=True, slots=True)

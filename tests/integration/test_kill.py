@@ -71,7 +71,8 @@ def test_jobs_survive_thirty_random_worker_kills(
         kills = 0
         while kills < KILLS:
             time.sleep(rng.uniform(0.3, 1.2))
-            victim = workers[rng.choice(sorted(workers))]
+            busy = _busy(store, workers, ids)
+            victim = workers[rng.choice(busy or sorted(workers))]
             victim.kill()
             kills += 1
             victim.start()
@@ -112,6 +113,28 @@ def test_jobs_survive_thirty_random_worker_kills(
         assert runs[-1].get("done") is True
     assert restarted > 0, "no job was ever interrupted: the kills did not exercise recovery"
     print(f"kills={kills} jobs re-run after a kill={restarted} completed twice={twice} lost=0")
+
+
+def _busy(store: OJSStore, workers: dict[str, WorkerProcess], ids: list[str]) -> list[str]:
+    """The workers whose heartbeat shows one of `ids` on a device, waiting up to 2 s for one.
+
+    Kills aim at a worker running a job, so that they interrupt jobs however slowly the
+    restarted workers come back (on a loaded machine a worker killed every second or
+    so, at random, may never get to run anything while the kills go on); the victim is
+    still drawn at random among them, and while no job runs anywhere, among all."""
+    wanted = set(ids)
+    deadline = time.monotonic() + 2.0
+    while True:
+        live = store.live_workers()
+        busy = [
+            name
+            for name, w in sorted(workers.items())
+            if wanted
+            & set(((live.get(w.hostname) or {}).get("free") or {}).get("devices", {}).values())
+        ]
+        if busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.05)
 
 
 def _wait_done(client: redis.Redis, ids: list[str], logs: list[Path], timeout: float) -> list[str]:
