@@ -32,7 +32,7 @@ from celery_ojs_ml.pending import PendingBook
 FULL_EVERY_S = 2.0
 """Longest time a change the view was not told of can go unseen, for up to `FULL_PER_READ`
 records; a larger pending set is read whole proportionally less often (10,000 records:
-every 20 s), so the reads stay O(1) per job however long the backlog."""
+every 20 s), so full re-reads cost the same per second however long the backlog."""
 FULL_PER_READ = 1000
 
 
@@ -78,8 +78,8 @@ class PendingView:
         return fresh
 
     def _update(self, ids: list[str], changed: set[str]) -> dict[str, dict[str, Any]]:
-        """Between full reads: set operations (C speed) on the index, Python work only for
-        what changed, so a pass over a backlog of 10,000 jobs costs what one over 10 does."""
+        """Between full reads: set operations (C speed) on the index, reads and Python work
+        only for what changed (the index itself is still walked once, in C)."""
         held = self._records
         index = set(ids)
         for task_id in held.keys() - index:  # started, cancelled or expired

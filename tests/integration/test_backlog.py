@@ -28,7 +28,7 @@ from celery_ojs_ml.cli.main import cli
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import make_app
-from tests.integration.test_fleet import _results, _wait, _worker
+from tests.integration.test_fleet import RESERVED, SPOT, _result, _results, _wait, _worker
 from tests.integration.workers import running
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,6 @@ pytestmark = pytest.mark.integration
 BACKLOG = 60
 AHEAD_AT_MOST = 4
 CONF = json.dumps({"ojs_ml_queue_depth": 5, "ojs_ml_full_pass_s": 60})
-SPOT = {"ext_ml_priority_class": "spot"}
 
 
 def _started_between(results: list[dict], after: float, before: float) -> list[str]:  # type: ignore[type-arg]
@@ -57,7 +56,7 @@ def test_a_job_behind_a_backlog_larger_than_the_window_starts_in_its_place_in_or
         _wait(lambda: len(_results(redis_client)) >= 3, 20, "the backlog to start")
         sent = time.time()
         reserved = record.apply_async(args=["reserved", 0.1], headers=RESERVED).id
-        _wait(lambda: _result_of(redis_client, reserved), 30, "the reserved job")
+        _wait(lambda: _result(redis_client, reserved), 30, "the reserved job")
         last = spot[-1]
         asked = time.time()
         result = CliRunner().invoke(cli, ["prioritize", last, "9"], obj=obj)
@@ -72,10 +71,3 @@ def test_a_job_behind_a_backlog_larger_than_the_window_starts_in_its_place_in_or
         before = _started_between(results, asked, by_id[last]["start"])
         assert len(before) <= AHEAD_AT_MOST, f"jobs started before the prioritized one: {before}"
     app.close()
-
-
-RESERVED = {"ext_ml_priority_class": "reserved"}
-
-
-def _result_of(client: redis.Redis, task_id: str) -> bool:
-    return any(r["task_id"] == task_id for r in _results(client))
