@@ -78,6 +78,8 @@ class Variant:
     capabilities: str | None = None
     concurrency: int = 2
     extra_args: tuple[str, ...] = ()
+    grants: bool = False
+    """`ojs_ml_grants` on (throughput mode) in the worker and the publisher."""
 
     @property
     def task(self) -> str:
@@ -92,9 +94,15 @@ class Variant:
 PLAIN = Variant("plain", "plain Celery", plugin=False)
 PLUGIN = Variant("plugin", "plugin, default (children reused)", True, None, A100X8)
 RETIRE = Variant("retire", "plugin, a fresh child per task", True, "always", A100X8)
+GRANTS = Variant(
+    "grants", "plugin, ojs_ml_grants on (throughput mode)", True, None, A100X8, grants=True
+)
 WAKE = Variant("wake", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
 WAKE_LONG = Variant("wake_long", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
 WAKE_NR = Variant("wake_nr", "plugin 1 GPU -c 2, a fresh child per task", True, "always", ONE_GPU)
+WAKE_GRANTS = Variant(
+    "wake_grants", "plugin 1 GPU -c 2, ojs_ml_grants on", True, None, ONE_GPU, grants=True
+)
 WAKE_PLAIN = Variant("wake_plain", "plain Celery -c 1 (reference, no gate)", False, concurrency=1)
 WAKE_PLAIN_NR = Variant(
     "wake_plain_nr",
@@ -171,6 +179,7 @@ class Worker:
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "OJS_BENCH_BROKER": broker,
             "OJS_BENCH_PLUGIN": "1" if variant.plugin else "0",
+            "OJS_BENCH_GRANTS": "1" if variant.grants else "0",
             "OJS_BENCH_PREFETCH": str(prefetch),
         }
         env.pop("OJS_BENCH_RECYCLE", None)
@@ -243,8 +252,10 @@ class Bench:
         self.results = redis.Redis.from_url(self.broker)
         self.store = OJSStore(redis.Redis.from_url(self.broker), prefix="ojs")
         self._apps = {
-            plugin: make_app(self.broker, plugin=plugin, prefetch=self.prefetch)
-            for plugin in (False, True)
+            (plugin, grants): make_app(
+                self.broker, plugin=plugin, prefetch=self.prefetch, grants=grants
+            )
+            for plugin, grants in ((False, False), (True, False), (True, True))
         }
 
     def run_id(self, name: str) -> str:
@@ -264,7 +275,7 @@ class Bench:
 
     def publish(self, variant: Variant, run: str, seq: int, sleep_s: float = 0.0) -> float:
         """Publish one task; returns the seconds the publish call took."""
-        task = self._apps[variant.plugin].tasks[variant.task]
+        task = self._apps[(variant.plugin, variant.grants)].tasks[variant.task]
         t0 = time.time()
         task.apply_async(args=(run, seq, t0, sleep_s), queue=variant.queue)
         return time.time() - t0
@@ -407,7 +418,7 @@ PACINGS = ("hot", "idle")
 
 def run_bench(args: argparse.Namespace, broker: str, logdir: Path) -> dict[str, Any]:
     bench = Bench(broker, logdir, args.prefetch)
-    variants = [PLAIN, PLUGIN, RETIRE]
+    variants = [PLAIN, PLUGIN, RETIRE, GRANTS]
     gaps = {"hot": args.hot_gap_ms / 1000, "idle": args.gap_ms / 1000}
     counts = {"hot": args.hot_tasks, "idle": args.latency_tasks}
     tput: dict[str, list[dict[str, Any]]] = {v.key: [] for v in variants}
@@ -416,7 +427,8 @@ def run_bench(args: argparse.Namespace, broker: str, logdir: Path) -> dict[str, 
     }
     for rnd in range(args.rounds):
         t0 = time.monotonic()
-        order = variants[rnd % 3 :] + variants[: rnd % 3]
+        k = len(variants)
+        order = variants[rnd % k :] + variants[: rnd % k]
         with contextlib.ExitStack() as stack:
             # Every variant's worker runs for the whole round (each on its own queue; an
             # idle worker only waits in BRPOP), and the phases alternate between them
@@ -424,7 +436,7 @@ def run_bench(args: argparse.Namespace, broker: str, logdir: Path) -> dict[str, 
             workers = {v.key: stack.enter_context(bench.worker(v, f"r{rnd}")) for v in order}
             segments: dict[str, list[dict[str, Any]]] = {v.key: [] for v in order}
             for seg in range(args.segments):
-                for variant in order[seg % 3 :] + order[: seg % 3]:
+                for variant in order[seg % k :] + order[: seg % k]:
                     # a fresh child per task is slow: fewer tasks keep the bench short
                     if variant is RETIRE:
                         if seg == 0:
@@ -467,6 +479,7 @@ def wake_runs(args: argparse.Namespace) -> list[tuple[Variant, int, float]]:
         (WAKE, args.burst, args.sleep_ms),
         (WAKE_LONG, args.long_burst, args.long_sleep_ms),
         (WAKE_NR, args.burst, args.sleep_ms),
+        (WAKE_GRANTS, args.burst, args.sleep_ms),
         (WAKE_PLAIN, args.burst, args.sleep_ms),
         (WAKE_PLAIN_NR, args.burst, args.sleep_ms),
     ]
@@ -512,7 +525,18 @@ def summarise(
 ) -> dict[str, Any]:
     labels = {
         v.key: v.label
-        for v in (PLAIN, PLUGIN, RETIRE, WAKE, WAKE_LONG, WAKE_NR, WAKE_PLAIN, WAKE_PLAIN_NR)
+        for v in (
+            PLAIN,
+            PLUGIN,
+            RETIRE,
+            GRANTS,
+            WAKE,
+            WAKE_LONG,
+            WAKE_NR,
+            WAKE_GRANTS,
+            WAKE_PLAIN,
+            WAKE_PLAIN_NR,
+        )
     }
     out: dict[str, Any] = {
         "config": {
@@ -542,7 +566,7 @@ def summarise(
             "redis_calls_per_task": tput[key][-1]["redis_calls_per_task"],
         }
     plain = out["variants"]["plain"]
-    for key in ("plugin", "retire"):
+    for key in ("plugin", "retire", "grants"):
         v = out["variants"][key]
         v["throughput_ratio_per_round"] = [
             a / b for a, b in zip(v["tasks_per_s"], plain["tasks_per_s"], strict=True)
@@ -603,7 +627,7 @@ def table(result: dict[str, Any]) -> str:
         f"{'worker (no-op task, 1 simulated GPU)':44s} {'tasks/s':>8s} {'ms/task':>9s} "
         f"{'p50':>7s} {'p99':>7s} {'publ.':>7s} {'p50':>7s} {'p99':>7s}",
     ]
-    for key in ("plain", "plugin", "retire"):
+    for key in ("plain", "plugin", "retire", "grants"):
         x = v[key]
         h, i = x["latency"]["hot"], x["latency"]["idle"]
         lines.append(
@@ -613,7 +637,11 @@ def table(result: dict[str, Any]) -> str:
             f"{i['p99_ms']:7.2f}"
         )
     lines += ["", f"{'metric':72s} {'value':>10s} {'target':>9s}  result"]
-    for key, name in (("plugin", "default"), ("retire", "a fresh child per task")):
+    for key, name in (
+        ("plugin", "default"),
+        ("retire", "a fresh child per task"),
+        ("grants", "ojs_ml_grants on"),
+    ):
         x = v[key]
         h, i = x["latency"]["hot"], x["latency"]["idle"]
         per_round = ", ".join(f"{r:.2f}" for r in x["throughput_ratio_per_round"])
@@ -679,7 +707,7 @@ def table(result: dict[str, Any]) -> str:
         "hand-off of the held task to a pool child",
         "redis calls per task added by the plugin (throughput phase, last round):",
     ]
-    for key in ("plugin", "retire"):
+    for key in ("plugin", "retire", "grants"):
         added = v[key]["redis_calls_added_per_task"]
         text = ", ".join(f"{c} {n:+.2f}" for c, n in sorted(added.items())) or "none"
         lines.append(f"  {key}: {text}")

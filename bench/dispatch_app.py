@@ -8,6 +8,7 @@ the same app with one switch:
     OJS_BENCH_RECYCLE  `ojs_ml_recycle_gpu_children` ("cuda", "always", "never")
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
     OJS_BENCH_ML_PREFETCH `ojs_ml_prefetch` of the plugin (default: the plugin's)
+    OJS_BENCH_GRANTS   "1": `ojs_ml_grants` on (throughput mode)
 
 Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
 `ml={"ext_ml_gpu_count": 1}`, which the plugin routes to a requirement-class
@@ -40,7 +41,12 @@ def _client(url: str) -> redis.Redis:
 
 
 def make_app(
-    broker: str, *, plugin: bool, recycle: str | None = None, prefetch: int | None = None
+    broker: str,
+    *,
+    plugin: bool,
+    recycle: str | None = None,
+    prefetch: int | None = None,
+    grants: bool = False,
 ) -> Celery:
     """The bench app on `broker`, with or without the plugin."""
     app = Celery("ojsbench", broker=broker, set_as_current=False)
@@ -57,6 +63,8 @@ def make_app(
 
         if recycle is not None:
             app.conf.ojs_ml_recycle_gpu_children = recycle
+        if grants:
+            app.conf.ojs_ml_grants = True
         if os.environ.get("OJS_BENCH_ML_PREFETCH"):
             app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_ML_PREFETCH"])
         OJSML(app)
@@ -97,6 +105,7 @@ app = make_app(
     plugin=bool(_env_flag("OJS_BENCH_PLUGIN")),
     recycle=os.environ.get("OJS_BENCH_RECYCLE") or None,
     prefetch=_env_int("OJS_BENCH_PREFETCH"),
+    grants=bool(_env_flag("OJS_BENCH_GRANTS")),
 )
 
 

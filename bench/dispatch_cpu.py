@@ -12,6 +12,7 @@ command and key shape (Redis `MONITOR`); `lua` marks a command run inside a scri
 round trip of its own).
 
     .venv/bin/python bench/dispatch_cpu.py [--tasks 600] [--segments 3] [--redis-commands]
+        [--grants]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dispatch import PLAIN, PLUGIN, Bench, Variant, Worker, private_redis  # noqa: E402
+from bench.dispatch import GRANTS, PLAIN, PLUGIN, Bench, Variant, Worker, private_redis  # noqa: E402
 
 
 def _role(proc: psutil.Process, worker: Worker) -> str:
@@ -86,7 +87,9 @@ def segment(
     return tasks_per_s, dict(roles)
 
 
-def redis_commands(bench: Bench, worker: Worker, url: str, n: int) -> list[tuple[float, str]]:
+def redis_commands(
+    bench: Bench, variant: Variant, worker: Worker, url: str, n: int
+) -> list[tuple[float, str]]:
     """Redis commands per task of one plugin burst, by command and key shape."""
     client = redis.Redis.from_url(url)
     seen: collections.Counter[str] = collections.Counter()
@@ -110,7 +113,7 @@ def redis_commands(bench: Bench, worker: Worker, url: str, n: int) -> list[tuple
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     time.sleep(0.5)
-    bench.throughput(PLUGIN, worker, n)
+    bench.throughput(variant, worker, n)
     time.sleep(0.5)
     stop.set()
     client.ping()  # one more command, so the monitor loop sees `stop`
@@ -125,16 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=600, help="tasks per segment")
     parser.add_argument("--segments", type=int, default=3, help="segments per variant")
     parser.add_argument("--redis-commands", action="store_true")
+    parser.add_argument("--grants", action="store_true", help="the plugin with ojs_ml_grants on")
     args = parser.parse_args(argv)
+    ml = GRANTS if args.grants else PLUGIN
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp)) as url:
         bench = Bench(url, Path(tmp), 4)
         server = _redis_process(url)
-        with bench.worker(PLAIN, "a") as plain, bench.worker(PLUGIN, "b") as plugin:
+        with bench.worker(PLAIN, "a") as plain, bench.worker(ml, "b") as plugin:
             time.sleep(1.0)
             rates: dict[str, list[float]] = {"plain": [], "plugin": []}
             cpu: dict[str, dict[str, list[float]]] = {"plain": {}, "plugin": {}}
             for _ in range(args.segments):
-                for key, variant, worker in (("plain", PLAIN, plain), ("plugin", PLUGIN, plugin)):
+                for key, variant, worker in (("plain", PLAIN, plain), ("plugin", ml, plugin)):
                     rate, roles = segment(bench, variant, worker, args.tasks, server)
                     rates[key].append(rate)
                     for role, ms in roles.items():
@@ -149,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"throughput ratio (medians): {ratio:.2f}")
             if args.redis_commands:
                 print("Redis commands per task, one plugin burst:")
-                for per_task, what in redis_commands(bench, plugin, url, args.tasks):
+                for per_task, what in redis_commands(bench, ml, plugin, url, args.tasks):
                     print(f"  {per_task:6.2f}  {what}")
     return 0
 

@@ -210,7 +210,15 @@ class Allocator(RunningBook):
         """
         started: list[Allocation] = []
         ahead: list[Pending] = []
+        waits: dict[int, tuple[MLRequirements, str]] = {}
         for pending in self.held():
+            same = waits.get(id(pending.req))
+            if same is not None and same[0] is pending.req:
+                # An equal request ahead waits: this one does too (capacity only shrinks
+                # and `ahead` only grows within a pump), for the same reason.
+                pending.reason = same[1]
+                ahead.append(pending)
+                continue
             seen = self._assess(pending.req, ahead)
             if seen.verdict is Verdict.FITS:
                 self.cancel(pending.key)
@@ -218,6 +226,7 @@ class Allocator(RunningBook):
             else:
                 pending.reason = seen.why
                 ahead.append(pending)
+                waits[id(pending.req)] = (pending.req, seen.why)
         return started
 
     def expired(self, max_hold_s: float) -> list[Pending]:

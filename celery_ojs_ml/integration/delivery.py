@@ -28,7 +28,7 @@ from celery_ojs_ml.integration.budget_holds import BudgetHold
 from celery_ojs_ml.integration.fleet_view import Ledger
 from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
 from celery_ojs_ml.integration.reservations import ReservationBook
-from celery_ojs_ml.integration.routing import ml_queue
+from celery_ojs_ml.integration.routing import ml_queue, worker_queue_name
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy
@@ -40,11 +40,6 @@ log = logging.getLogger("celery_ojs_ml.integration.scheduling")
 HEADER_ASSIGN = "ojs_assign"
 HEADER_VICTIMS = "ojs_victims"
 HEADER_PREFETCH = "ojs_prefetch"
-
-
-def worker_queue_name(prefix: str, worker: str) -> str:
-    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
-    return f"{prefix}.ml.w.{worker}"
 
 
 def task_events_wanted(live: dict[str, Any]) -> bool:

@@ -26,7 +26,7 @@ from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.integration import assigned, child, warm_pool
+from celery_ojs_ml.integration import assigned, child, granted, warm_pool
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
 from celery_ojs_ml.integration.delivery import HEADER_PREFETCH
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("celery_ojs_ml.integration.worker")
 
 
-class Gate(LeaseKeeping):
+class Gate(LeaseKeeping, granted.Granted):
     """The gate of one consumer (see module doc)."""
 
     app: Celery
@@ -96,6 +96,11 @@ class Gate(LeaseKeeping):
 
     def _gate(self, req: Any, ml: MLRequirements) -> Any:
         headers = req.request_dict
+        epoch = granted.epoch_of(req)
+        if epoch is not None:
+            return self._gate_granted(req, ml, epoch)
+        if self.mine and assigned.token_of(req) is not None:
+            self.recheck_grants()  # assignments flow again: were the grants revoked?
         rid = ml.ext_ml_reservation_id
         if rid is not None and rid not in self.allocator.pools:
             self.hold_reservations()  # placed since the last refresh?
@@ -116,6 +121,29 @@ class Gate(LeaseKeeping):
                 if grace is not None:  # hold it until the victims have yielded or been killed
                     self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
             return self._handle(req, outcome)
+
+    def _gate_granted(self, req: Any, ml: MLRequirements, epoch: str) -> Any:
+        """A job published under a grant (`integration.granted`): run it while the grant
+        is this worker's, else give it back to the intake."""
+        if not self.grant_current(epoch):
+            self.give_back_granted(req, "its class's grant ended")
+            return None
+        with self.lock:
+            outcome = self.allocator.try_alloc(
+                req,
+                req.id,
+                ml,
+                priority=band_priority(req.request_dict),
+                labels=job_labels(req.name, req.request_dict),
+                prefer=self._warm_sets(ml),
+            )
+            if isinstance(outcome, Allocation):
+                return self._dispatch(req, outcome)
+            if isinstance(outcome, Pending):
+                self.hold_granted(req, outcome)
+                return None
+        self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
+        return None
 
     def _warm_sets(self, ml: MLRequirements) -> list[tuple[int, ...]]:
         """Device sets idle warm children are bound to (`warm_pool`), model holders first."""
@@ -289,7 +317,10 @@ class Gate(LeaseKeeping):
         self._pump_soon()
         # After the pump: a held job starts without waiting for the wake-up's round trips,
         # and the advertisement then already counts it.
-        self.wake_scheduler()
+        with self.lock:
+            quiet = self.quiet_release(req)
+        if not quiet:
+            self.wake_scheduler()
 
     def _pump_soon(self) -> None:
         """`pump` on the event loop's next turn (one pump serves every release of a
@@ -317,6 +348,9 @@ class Gate(LeaseKeeping):
             self.resubscribe()
 
     def _leave_hold(self, req: Any) -> None:
+        if req in self.granted_held:  # held inside the prefetch limit (`hold_granted`)
+            self.granted_held.discard(req)
+            return
         self.c.qos.decrement_eventually()
 
     def _requeue(self, req: Any) -> None:
@@ -333,6 +367,10 @@ class Gate(LeaseKeeping):
                     self.allocator.hold(pending)  # still waiting for its victims to yield
                     continue
                 self.hold_until.pop(req, None)
+                if req in self.granted_held:
+                    self._leave_hold(req)
+                    self.give_back_granted(req, f"held too long: {pending.reason}")
+                    continue
                 self._leave_hold(req)
                 if assigned.token_of(req) is not None:
                     assigned.give_back(self.worker, req, f"held too long: {pending.reason}")

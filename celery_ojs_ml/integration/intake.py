@@ -26,6 +26,7 @@ from celery_ojs_ml.allocator.policy import with_preemption_limits
 from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
+from celery_ojs_ml.integration.grants import HEADER_GRANT
 from celery_ojs_ml.integration.leases import republish_headers
 from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
 from celery_ojs_ml.integration.redis_intake import RedisIntake
@@ -167,6 +168,7 @@ class Intake:
     def _on_message(self, message: Any) -> None:
         """An intake message: a job to admit, or a worker's wake-up."""
         headers = dict(message.headers or {})
+        headers.pop(HEADER_GRANT, None)  # taken back from a grant's holder: admitted afresh
         self._dirty = True
         if HEADER_WAKE in headers:
             self._woken = True

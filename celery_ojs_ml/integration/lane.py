@@ -75,6 +75,9 @@ class Lane:
     _changed_notes: Callable[[Decision], tuple[dict[str, Any], list[Any]]]
     _deliver_all: Callable[..., int]
     _waiting_events: Callable[[list[Any]], None]
+    _granted: dict[str, tuple[str, str]]
+    _tend_grants: Callable[[dict[str, Any], list[WorkerState] | None], None]
+    _grant_after: Callable[[Decision, dict[str, PendingJob], int, bool], None]
 
     def _lane_open(self) -> bool:
         """Whether this leader may use the lane at all (see module doc)."""
@@ -83,11 +86,11 @@ class Lane:
     def _quiet(self, live: dict[str, Any], leases: list[Any]) -> None:
         """A pass found nothing waiting or assigned: keep its fleet for the next arrival."""
         self._task_events = task_events_wanted(live)
-        if not self._lane_open():
-            return
-        fleet = self._fleet({}, live, leases, time.time())
-        if not self.ledger.entries:  # every assignment shows in a heartbeat
-            self._lane = (time.monotonic(), fleet)
+        lane = self._lane_open()
+        fleet = self._fleet({}, live, leases, time.time()) if lane or self._granted else None
+        self._tend_grants(live, fleet)
+        if fleet is not None and lane and not self.ledger.entries:
+            self._lane = (time.monotonic(), fleet)  # every assignment shows in a heartbeat
 
     def _fast(self) -> Decision | None:
         """Decide and deliver the arrivals just read on the kept fleet; None (nothing
@@ -120,6 +123,8 @@ class Lane:
             self._waiting_events(first_seen)
         if sent != len(plain):
             self._dirty = True  # admitted but not assigned: the next step passes at once
+        else:
+            self._grant_after(decision, jobs, len(jobs), False)
         self.lane_passes += 1
         return decision
 

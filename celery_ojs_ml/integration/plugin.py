@@ -22,6 +22,7 @@ from celery import Celery, signals
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
+from celery_ojs_ml.integration.grants import GrantBook, grants_usable, queue_grantable
 from celery_ojs_ml.integration.routing import (
     HEADER_BAND,
     HEADER_CLASS,
@@ -57,6 +58,8 @@ class OJSML(Submitting):
         self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
         self._eligible: LRU[tuple[str, str], tuple[float, str | None]] = LRU(4096)
         self._store_version = 0
+        self._grants: GrantBook | None = None
+        self._grants_on: bool | None = None
         if isinstance(existing, OJSML):
             return
         app.ojs_ml = self
@@ -125,6 +128,20 @@ class OJSML(Submitting):
     def use_store(self, store: OJSStore) -> None:
         """Use a given store (the embedded demo passes a fakeredis one)."""
         self._store = store
+        self._grants = None
+
+    @property
+    def grant_book(self) -> GrantBook:
+        """The grants of this app's store (`integration.grants`)."""
+        if self._grants is None:
+            self._grants = GrantBook(self.store)
+        return self._grants
+
+    def grants_on(self, logical: str) -> bool:
+        """Whether jobs of `logical` may be published under a grant (`grants_usable`)."""
+        if self._grants_on is None:
+            self._grants_on = grants_usable(self.app)
+        return self._grants_on and queue_grantable(self.settings, logical)
 
     def _install_router(self) -> None:
         routes = self.app.conf.task_routes

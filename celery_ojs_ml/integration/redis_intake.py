@@ -66,6 +66,96 @@ return out
 """Move up to ARGV[1] messages, highest priority list first, into the processing list."""
 
 
+_SWEEP = """
+local last, moved = #KEYS, 0
+for i = 1, last - 1 do
+  local items = redis.call('LRANGE', KEYS[i], 0, -1)
+  for j = #items, 1, -1 do
+    local ok, doc = pcall(cjson.decode, items[j])
+    local h = ok and type(doc) == 'table' and doc['headers'] or nil
+    if type(h) == 'table' and h[ARGV[1]] and not h[ARGV[2]] then
+      redis.call('LREM', KEYS[i], 1, items[j])
+      redis.call('LPUSH', KEYS[last], items[j])
+      moved = moved + 1
+    end
+  end
+end
+return moved
+"""
+"""Move every message published under a grant (header ARGV[1], no assignment ARGV[2])
+from a worker's lists onto the intake's priority-0 list, oldest first, so it is taken
+first."""
+
+
+def queue_keys(channel: Any, queue: str) -> list[str]:
+    """The lists kombu's Redis transport keeps `queue` in, highest priority first."""
+    prefix = str(getattr(channel, "global_keyprefix", "") or "")
+    keys = [prefix + channel._q_for_pri(queue, pri) for pri in channel.priority_steps]
+    return list(dict.fromkeys(keys))
+
+
+def sweep_granted(
+    client: redis.Redis, channel: Any, queue: str, intake: str, grant: str, assign: str
+) -> int:
+    """Take the jobs published under a grant and still queued on `queue` (a worker's own
+    queue) back to the intake, atomically (the worker cannot take one meanwhile);
+    returns how many moved."""
+    keys = [*queue_keys(channel, queue), queue_keys(channel, intake)[0]]
+    return int(client.eval(_SWEEP, len(keys), *keys, grant, assign))
+
+
+_TAKE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('LPUSH', KEYS[3], ARGV[2])
+  return 1
+end
+return 0
+"""
+"""Move one unacked message (tag ARGV[1]) onto the intake as ARGV[2], unless it is gone."""
+
+
+def restore_granted(
+    client: redis.Redis, channel: Any, queue: str, intake: str, grant: str, assign: str
+) -> int:
+    """Give the jobs published under a grant that a departed worker took from `queue`
+    and never finished with back to the intake (kombu would restore them to `queue`,
+    which nobody reads any more, only after its visibility timeout); returns how many.
+    kombu keeps each as `[message, exchange, routing key]` under its delivery tag."""
+    prefix = str(getattr(channel, "global_keyprefix", "") or "")
+    keys = [
+        prefix + channel.unacked_key,
+        prefix + channel.unacked_index_key,
+        queue_keys(channel, intake)[0],
+    ]
+    moved = 0
+    entries: dict[Any, Any] = client.hgetall(keys[0])
+    for tag, payload in entries.items():
+        try:
+            message, _exchange, routing_key = json.loads(payload)
+            headers = message.get("headers") or {}
+        except (ValueError, TypeError, AttributeError):
+            continue
+        if routing_key != queue or not headers.get(grant) or headers.get(assign):
+            continue
+        moved += int(client.eval(_TAKE, 3, *keys, tag, json.dumps(message)))
+    return moved
+
+
+def backlog(client: redis.Redis, channel: Any, queues: list[str]) -> dict[str, int]:
+    """Messages waiting on each of `queues` (one round trip)."""
+    with client.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            for key in queue_keys(channel, queue):
+                pipe.llen(key)
+        counts = [int(n) for n in pipe.execute()]
+    out: dict[str, int] = {}
+    per = len(counts) // len(queues) if queues else 0
+    for i, queue in enumerate(queues):
+        out[queue] = sum(counts[i * per : (i + 1) * per])
+    return out
+
+
 def supports(channel: Any) -> bool:
     """Whether `channel` is kombu's Redis transport with the list layout this module reads."""
     try:
@@ -168,8 +258,7 @@ class RedisIntake:
             kwargs["credential_provider"] = pool.connection_kwargs["credential_provider"]
         self.client = redis.Redis(**kwargs)
         prefix = str(getattr(channel, "global_keyprefix", "") or "")
-        keys = [prefix + channel._q_for_pri(queue, pri) for pri in channel.priority_steps]
-        self.keys = list(dict.fromkeys(keys))  # highest priority first, as kombu's BRPOP
+        self.keys = queue_keys(channel, queue)  # highest priority first, as kombu's BRPOP
         self.processing = prefix + queue + PROCESSING_SUFFIX
         self.batch = batch
         self.settled: list[bytes] = []

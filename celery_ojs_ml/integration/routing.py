@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
 from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.integration.grants import HEADER_GRANT
 from celery_ojs_ml.integration.labels import HEADER_LABELS, declared_labels
 from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.scheduler.grants import grant_key, grantable
 from celery_ojs_ml.spec.classes import (
     BANDS,
     band,
@@ -40,8 +42,13 @@ HEADER_LOGICAL = "ojs_logical_queue"
 HEADER_PENDING = "ojs_pending"
 """Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
-SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous", "ojs_prefetch")
+SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous", "ojs_prefetch", "ojs_grant")
 """Set by the scheduler on one delivery; never carried into a new publish."""
+
+
+def worker_queue_name(prefix: str, worker: str) -> str:
+    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
+    return f"{prefix}.ml.w.{worker}"
 
 
 def intake_name(prefix: str) -> str:
@@ -199,12 +206,34 @@ class MLRouter:
         headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
         for private in SCHEDULER_HEADERS:  # a re-published copy is assigned afresh
             headers.pop(private, None)
-        name = intake_name(self.plugin.settings.store_prefix)
+        name = self._granted(found, logical, headers) or intake_name(
+            self.plugin.settings.store_prefix
+        )
         queue = self._queues.get(name)
         if queue is None:
             queue = self._queues[name] = ml_queue(name)
         options["queue"] = queue  # an explicit queue= names the logical queue, not the destination
         return {"queue": queue}
+
+    def _granted(self, found: _Resolved, logical: str, headers: dict[str, Any]) -> str | None:
+        """The queue of the worker holding a grant for this job's class, with the grant's
+        epoch in the headers; None: the job goes to the intake (`scheduler.grants`)."""
+        if headers.get(HEADER_PENDING) or not self.plugin.grants_on(logical):
+            return None
+        if not grantable(
+            found.req,
+            gang="ojs_gang" in headers,
+            labels=HEADER_LABELS in headers,
+            gpu_affinity=str(headers.get("ext_mlx_scheduling_gpu_affinity") or "pack"),
+        ):
+            return None
+        with self.plugin.store_errors():
+            grant = self.plugin.grant_book.lookup(grant_key(logical, found.band, found.cid))
+        if grant is None:
+            return None
+        worker, epoch = grant
+        headers[HEADER_GRANT] = epoch
+        return worker_queue_name(self.plugin.settings.store_prefix, worker)
 
     def _logical_queue(self, task: Any, options: Mapping[str, Any]) -> str:
         explicit = options.get("queue") or (options.get("headers") or {}).get(HEADER_LOGICAL)

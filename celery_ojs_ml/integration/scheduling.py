@@ -43,6 +43,7 @@ from celery_ojs_ml.integration.fleet_view import (
     worker_states,
 )
 from celery_ojs_ml.integration.gangs import rendezvous
+from celery_ojs_ml.integration.granting import Granting
 from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
 from celery_ojs_ml.integration.lane import Lane
 from celery_ojs_ml.integration.leases import LeaseBook
@@ -81,7 +82,15 @@ def send_wake(app: Any, worker: str) -> None:
         )
 
 
-class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
+def _outstanding(decision: Decision, records: dict[str, Any]) -> int:
+    """How many jobs wait in the pending set (every one, not only those the pass saw);
+    counted only where the pass may have been quiet (`scheduler.grants.quiet`)."""
+    if decision.annotations or decision.preemptions:
+        return -1
+    return sum(1 for r in records.values() if r.get("state") == "pending")
+
+
+class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
     """One candidate for the scheduler lock; `run()` loops until `stop()`."""
 
     def __init__(self, app: Any, candidate: str | None = None) -> None:
@@ -149,6 +158,10 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         self._turnover: dict[str, tuple[frozenset[str], float]] = {}
         self._lane: tuple[float, list[WorkerState]] | None = None
         """A quiet pass's fleet, for the next arrival (`lane`)."""
+        self._granted: dict[str, tuple[str, str]] = {}
+        self._grant_jobs: dict[str, PendingJob] = {}
+        self._gone: dict[str, float] = {}
+        self._grants_on: bool | None = None
         self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
         """Parsed waiting jobs by (task id, admitted at, priority) (`_pending_job`)."""
         """Jobs delivered ahead of capacity (`_prefetch`) -> their worker, until started."""
@@ -190,6 +203,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
             self._lane = None
             self._full_pass_at = -1e9  # and decides every job in it
             self.view.reset()  # RFC 27 hello: the first pass reads the whole pending set
+            self._hello_grants()
             log.warning(
                 "ojs-ml: %s leads the fleet scheduler (hello: %d jobs waiting or assigned)",
                 self.candidate,
@@ -269,7 +283,11 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane):
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
+        outstanding = _outstanding(decision, records)
+        self._revoke_unless_quiet(decision, outstanding, reserving)
         self._carry_out(decision, fleet, records, jobs, now)
+        self._grant_after(decision, jobs, outstanding, reserving)
+        self._tend_grants(live, fleet)
         self.passes += 1
         return decision
 

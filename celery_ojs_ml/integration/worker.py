@@ -31,7 +31,6 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import child, redis_intake
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.advertising import Advertising
-from celery_ojs_ml.integration.delivery import worker_queue_name
 from celery_ojs_ml.integration.gangs import (
     primary_address,
     store_rank_result,
@@ -39,7 +38,7 @@ from celery_ojs_ml.integration.gangs import (
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.reservations import ReservationBook
-from celery_ojs_ml.integration.routing import intake_name
+from celery_ojs_ml.integration.routing import intake_name, worker_queue_name
 from celery_ojs_ml.integration.scheduler_process import start_candidate
 from celery_ojs_ml.integration.scheduling import send_wake
 from celery_ojs_ml.integration.worker_setup import (
@@ -176,6 +175,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         )
         self._wake_list = redis_intake.wake_list(self.app, intake_name(s.store_prefix))
         self.recover_own()
+        self.init_grants()
         with self.lock:
             self.version, self._wanted, self._declared, self._bound = -1, {}, set(), {}
             self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
@@ -253,6 +253,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             self._wake_now()
         else:
             self.advertise()
+        if self._grants_on:
+            self.read_grants()
+            self.return_revoked()
 
     def _wake_item(self) -> tuple[str, bytes] | None:
         """A wake-up for the store's own client (`redis_intake.wake_list`); None where

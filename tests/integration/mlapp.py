@@ -129,6 +129,8 @@ def _define_tasks(app: Celery, results_url: str) -> None:
             "pid": os.getpid(),
             "gpu_count": getattr(self.request, "ext_ml_gpu_count", None),
             "crashes": getattr(self.request, "ojs_crashes", 0) or 0,
+            "grant": getattr(self.request, "ojs_grant", None),
+            "assigned": bool(getattr(self.request, "ojs_assign", None)),
             "start": start,
             "end": time.time(),
         }

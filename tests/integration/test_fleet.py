@@ -29,7 +29,7 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.integration.delivery import worker_queue_name
+from celery_ojs_ml.integration.routing import worker_queue_name
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app

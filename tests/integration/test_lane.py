@@ -21,8 +21,9 @@ from celery_ojs_ml.allocator.core import Allocator
 from celery_ojs_ml.allocator.model import Allocation
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.integration import redis_intake
-from celery_ojs_ml.integration.delivery import HEADER_ASSIGN, worker_queue_name
+from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
 from celery_ojs_ml.integration.redis_intake import PROCESSING_SUFFIX
+from celery_ojs_ml.integration.routing import worker_queue_name
 from celery_ojs_ml.integration.scheduling import FleetScheduler
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.spec.resources import MLRequirements

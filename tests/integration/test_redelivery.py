@@ -20,8 +20,8 @@ import pytest
 import redis
 from kombu import Connection, Producer
 
-from celery_ojs_ml.integration.delivery import HEADER_ASSIGN, worker_queue_name
-from celery_ojs_ml.integration.routing import ml_queue
+from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
+from celery_ojs_ml.integration.routing import ml_queue, worker_queue_name
 from celery_ojs_ml.pending import PENDING, PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app

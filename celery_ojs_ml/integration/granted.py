@@ -1,0 +1,145 @@
+"""The gate's side of a grant: run the class's jobs while the grant is this worker's.
+
+A mixin of `worker.MLWorker`, split out of it to keep modules small; every attribute
+below is set by `MLWorker.__init__`/`start`. `scheduler.grants` says what a grant is.
+
+Key decisions:
+* The worker knows its grants (`mine`: field -> epoch) from the store: read at every
+  heartbeat, and again (at most every `_REREAD_S`) when a job arrives under an epoch it
+  does not know. A job whose epoch is not among them is given back to the intake with
+  its message, task id and headers unchanged: the leader admits and places it as any
+  other, so a revoked grant costs that job a hop, never its place or its run.
+* A granted job that does not fit yet waits at the gate inside Celery's own prefetch
+  limit (plain Celery's behaviour: the prefork pool takes what it prefetched as
+  processes free up), not beside it as an assignment held ahead does; one held longer
+  than `ojs_ml_max_hold_s` is given back to the intake.
+* A granted job's end does not wake the leader while the grant holds and nothing else
+  waits at this gate: nothing waits in the fleet either (a grant lives only while
+  nothing does), and the next job of the class is already on its way here. That wake-up
+  and its advertisement are most of what a finished job costs the fleet's CPU
+  (`docs/performance.md`, "eighteenth session"); the heartbeat still advertises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+from celery_ojs_ml.allocator import Allocator, Pending
+from celery_ojs_ml.integration.assigned import drop, message_of, token_of
+from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usable
+from celery_ojs_ml.integration.routing import intake_name, ml_queue
+from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger("celery_ojs_ml.integration.worker")
+
+_REREAD_S = 0.1
+"""Least time between two reads of this worker's grants prompted by an unknown epoch."""
+
+
+def epoch_of(req: Any) -> str | None:
+    """The grant epoch a job was published under; None for an assignment or an admitted job."""
+    if token_of(req) is not None:
+        return None
+    epoch = req.request_dict.get(HEADER_GRANT)
+    return epoch if isinstance(epoch, str) and epoch else None
+
+
+class Granted:
+    """`mine`, `grant_current`, `give_back_granted`, `quiet_release` (see module doc)."""
+
+    app: Celery
+    settings: OJSMLSettings
+    store: OJSStore
+    hostname: str
+    allocator: Allocator
+    lock: threading.RLock
+    hold_until: dict[Any, float]
+    mine: dict[str, str]
+    granted_held: set[Any]
+    _grants_read_at: float
+    _grants_on: bool
+
+    def init_grants(self) -> None:
+        """At start: whether grants are used here, and this worker's."""
+        self.mine, self.granted_held, self._grants_read_at = {}, set(), 0.0
+        self._grants_on = grants_usable(self.app)
+        self.read_grants()
+
+    def read_grants(self) -> None:
+        """Read this worker's grants (heartbeat; never raises)."""
+        if not self._grants_on:
+            return
+        self._grants_read_at = time.monotonic()
+        try:
+            self.mine = GrantBook(self.store).mine(self.hostname)
+        except Exception as exc:
+            log.warning("ojs-ml: could not read this worker's grants: %s", exc)
+
+    def grant_current(self, epoch: str) -> bool:
+        """Whether `epoch` is one of this worker's grants (read again if it is unknown)."""
+        if epoch in self.mine.values():
+            return True
+        if time.monotonic() - self._grants_read_at >= _REREAD_S:
+            self.read_grants()
+        return epoch in self.mine.values()
+
+    def recheck_grants(self) -> None:
+        """Read this worker's grants again unless that was done within `_REREAD_S`; give
+        back the held jobs of a grant that ended."""
+        if time.monotonic() - self._grants_read_at >= _REREAD_S:
+            self.read_grants()
+            self.return_revoked()
+
+    def give_back_granted(self, req: Any, why: str) -> None:
+        """Send a granted job to the intake (the leader admits it), then drop this copy."""
+        msg = message_of(req)  # without the grant's epoch (a scheduler header)
+        name = intake_name(self.settings.store_prefix)
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.publish(
+                    req.body,
+                    exchange=name,
+                    routing_key=name,
+                    headers=msg["headers"],
+                    declare=[ml_queue(name)],
+                    content_type=req.content_type,
+                    content_encoding=req.content_encoding,
+                    serializer=None,
+                    retry=True,
+                    **msg["properties"],
+                )
+        except Exception as exc:  # keep the message: the broker redelivers it here
+            log.warning("ojs-ml: could not give %s back to the intake: %s", req.id, exc)
+            return
+        log.info("ojs-ml: gave %s back to the intake: %s", req.id, why)
+        drop(req)
+
+    def quiet_release(self, req: Any) -> bool:
+        """Whether a job's end may skip the leader's wake-up (see module doc)."""
+        epoch = epoch_of(req)
+        if epoch is None or epoch not in self.mine.values():
+            return False
+        return all(p.key in self.granted_held for p in self.allocator.held())
+
+    def hold_granted(self, req: Any, outcome: Pending) -> None:
+        """Hold a granted job that does not fit yet, inside Celery's prefetch limit."""
+        self.allocator.hold(outcome)
+        self.granted_held.add(req)
+
+    def return_revoked(self) -> None:
+        """Give back the granted jobs held here whose grant ended (after `read_grants`)."""
+        current = set(self.mine.values())
+        with self.lock:
+            gone = [r for r in self.granted_held if epoch_of(r) not in current]
+            for req in gone:
+                self.allocator.cancel(req)
+                self.granted_held.discard(req)
+                self.hold_until.pop(req, None)
+        for req in gone:
+            self.give_back_granted(req, "its class's grant ended")

@@ -1,0 +1,164 @@
+"""The leader's side of grants: issue them after quiet passes, revoke them, take jobs back.
+
+A mixin of `scheduling.FleetScheduler`, split out of it to keep modules small; every
+attribute below is set by `FleetScheduler.__init__` or its other mixins.
+`scheduler.grants` says what a grant is and when one is made.
+
+Key decisions:
+* A pass that leaves a job waiting (or preempts, denies or reserves) revokes every
+  grant at once, before its assignments go out: the fleet is back to one decision per
+  job, in fleet order. Revoking deletes the grants (publishers stop sending there) and
+  then moves the jobs still queued on each holder back to the intake in one Lua call
+  (`redis_intake.sweep_granted`); the holder gives back the ones it already took but
+  did not start (`integration.granted`). The next pass orders them with the rest.
+* A holder that left is revoked at the first pass that misses it; the granted jobs it
+  had taken off its queue are in kombu's unacked hash, and go back to the intake once
+  it has been gone `ojs_ml_lease_ttl_s` (`redis_intake.restore_granted`): that is when
+  its leases are taken over too, so a worker that only stalled is treated alike.
+* A holder with jobs queued while another worker could start one of the class now is
+  revoked too: a grant never keeps a job waiting that a pass would start elsewhere.
+* A new leader reads the grants in the store (RFC 27 `hello`) and keeps them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery_ojs_ml.integration import redis_intake
+from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
+from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usable
+from celery_ojs_ml.integration.routing import worker_queue_name
+from celery_ojs_ml.integration.settings import OJSMLSettings
+from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, WorkerState, schedule
+from celery_ojs_ml.scheduler.grants import grants_after, quiet, to_revoke
+from celery_ojs_ml.store import OJSStore
+
+log = logging.getLogger(__name__)
+
+
+class Granting:
+    """`_grant_after`, `_tend_grants`, `revoke_grants` (see module doc)."""
+
+    app: Any
+    settings: OJSMLSettings
+    store: OJSStore
+    policy: Policy
+    intake: str
+    _direct: Any
+    _dirty: bool
+    _granted: dict[str, tuple[str, str]]
+    """field -> (worker, epoch) of every grant, as this leader wrote or found them."""
+    _grant_jobs: dict[str, PendingJob]
+    """field -> the job whose placement made the grant (probes where else the class fits)."""
+    _gone: dict[str, float]
+    """Holders that left -> when this leader missed them first (`restore_granted`)."""
+    _grants_on: bool | None
+
+    def _grants_usable(self) -> bool:
+        if self._grants_on is None:
+            self._grants_on = grants_usable(self.app) and not self.policy.counts_assignments
+        return self._grants_on and self._direct is not None
+
+    def _hello_grants(self) -> None:
+        """A new leader keeps the grants it finds (their holders run their jobs)."""
+        self._granted, self._grant_jobs, self._gone = {}, {}, {}
+        try:
+            self._granted = GrantBook(self.store).all()
+        except Exception as exc:
+            log.warning("ojs-ml: could not read the grants: %s", exc)
+
+    def _revoke_unless_quiet(self, decision: Decision, outstanding: int, reserving: bool) -> None:
+        """Before a pass's decisions go out: revoke every grant unless the pass leaves
+        nothing waiting (`scheduler.grants.quiet`) and no reservation is held."""
+        waits = reserving or not quiet(decision, outstanding)
+        if self._granted and waits and self._grants_usable():
+            self.revoke_grants(list(self._granted))
+
+    def _grant_after(
+        self, decision: Decision, jobs: dict[str, PendingJob], outstanding: int, reserving: bool
+    ) -> None:
+        """After a quiet pass's assignments went out: grant each class it started on a
+        worker to that worker (`scheduler.grants.grants_after`)."""
+        if reserving or not self._grants_usable():
+            return
+        held = {f: w for f, (w, _) in self._granted.items()}
+        new = grants_after(decision, jobs, held, outstanding)
+        if not new:
+            return
+        written = GrantBook(self.store).issue(new)
+        self._granted.update(written)
+        for a in decision.assignments:
+            job = jobs.get(a.task_id)
+            for field, worker in new.items():
+                if job is not None and worker == a.worker:
+                    self._grant_jobs.setdefault(field, job)
+        for field, (worker, _) in written.items():
+            log.info("ojs-ml: granted %s to %s", field, worker)
+
+    def _tend_grants(self, live: dict[str, Any], fleet: list[WorkerState] | None) -> None:
+        """Revoke the grants of holders that left, or that have jobs queued while another
+        worker could start one of the class now; restore a departed holder's taken jobs."""
+        if not self._grants_usable():
+            return
+        now = time.monotonic()
+        for worker in [w for w in self._gone if w in live]:
+            del self._gone[worker]
+        if self._granted:
+            holders = sorted({w for w, _ in self._granted.values() if w in live})
+            queues = [worker_queue_name(self.settings.store_prefix, w) for w in holders]
+            counts = redis_intake.backlog(self.store.client, self._direct, queues)
+            backlog = {w: counts[q] for w, q in zip(holders, queues, strict=True)}
+            room = {f: self._room_elsewhere(f, fleet, backlog) for f in self._granted}
+            gone = to_revoke(
+                {f: w for f, (w, _) in self._granted.items()}, list(live), backlog, room
+            )
+            for field in gone:
+                worker = self._granted[field][0]
+                if worker not in live:
+                    self._gone.setdefault(worker, now)
+            self.revoke_grants(gone)
+        for worker, since in list(self._gone.items()):
+            if now - since >= self.settings.lease_ttl_s:
+                del self._gone[worker]
+                self._restore(worker)
+
+    def _room_elsewhere(
+        self, field: str, fleet: list[WorkerState] | None, backlog: dict[str, int]
+    ) -> bool:
+        worker = self._granted[field][0]
+        job = self._grant_jobs.get(field)
+        if fleet is None or job is None or not backlog.get(worker):
+            return False
+        others = [w for w in fleet if w.name != worker]
+        return bool(others and schedule([job], others, time.time(), self.policy).assignments)
+
+    def revoke_grants(self, fields: list[str]) -> None:
+        """End these grants and take the jobs queued under them back to the intake."""
+        if not fields:
+            return
+        GrantBook(self.store).revoke(fields)
+        holders = {self._granted[f][0] for f in fields if f in self._granted}
+        for field in fields:
+            self._granted.pop(field, None)
+            self._grant_jobs.pop(field, None)
+        moved = 0
+        for worker in sorted(holders):
+            queue = worker_queue_name(self.settings.store_prefix, worker)
+            moved += redis_intake.sweep_granted(
+                self.store.client, self._direct, queue, self.intake, HEADER_GRANT, HEADER_ASSIGN
+            )
+        self._dirty = self._dirty or moved > 0
+        log.info("ojs-ml: revoked %d grants; %d queued jobs back to the intake", len(fields), moved)
+
+    def _restore(self, worker: str) -> None:
+        queue = worker_queue_name(self.settings.store_prefix, worker)
+        moved = redis_intake.restore_granted(
+            self.store.client, self._direct, queue, self.intake, HEADER_GRANT, HEADER_ASSIGN
+        )
+        if moved:
+            self._dirty = True
+            log.warning(
+                "ojs-ml: %d granted jobs %s had taken went back to the intake", moved, worker
+            )

@@ -1,0 +1,115 @@
+"""Grants: a class of jobs sent straight to one worker while the fleet is quiet (pure).
+
+Ray's lease reuse, for the fleet scheduler (DESIGN decision 9, "grants"): when a pass
+leaves nothing waiting, every job of a class it placed on a worker would be placed
+there again by the next pass, as long as nothing else waits and that worker keeps
+room. So the leader grants the class to that worker, and publishers send the class's
+next jobs to the worker's own queue directly: no admission, no pass and no assignment
+per job. The worker's gate still checks the fit and pins devices. The grant ends (the
+leader revokes it and takes the jobs queued under it back into the pending set) as soon
+as a pass has a job that waits, or the holder has a backlog while another worker could
+start the class now, or the holder leaves.
+
+Only "simple" jobs are granted: their placement depends on nothing but their class
+and the free capacity (no gang, reservation, affinity or anti-affinity rules, labels,
+escalation, and `pack` GPU affinity).
+
+Responsibility: which jobs may be granted (`grantable`), the key a publisher looks a
+grant up by (`grant_key`), and which grants a pass's decision makes (`grants_after`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from celery_ojs_ml.scheduler.model import Decision, PendingJob
+from celery_ojs_ml.spec.resources import MLRequirements
+
+AUTO_LABELS = frozenset({"job_type", "queue"})
+"""The labels every job shows (`integration.labels.job_labels`); only declared ones count."""
+
+
+def grant_key(queue: str, band: str, class_id: str) -> str:
+    """The field a grant is stored under: the logical queue, the band and the class."""
+    return f"{queue}|{band}|{class_id}"
+
+
+def grantable(req: MLRequirements, *, gang: bool, labels: bool, gpu_affinity: str) -> bool:
+    """Whether a job of these requirements is placed by its class and free capacity alone."""
+    return not (
+        gang
+        or labels
+        or gpu_affinity != "pack"
+        or req.ext_ml_reservation_id is not None
+        or req.ext_ml_affinity is not None
+        or req.ext_ml_anti_affinity is not None
+        or req.ext_ml_priority_escalation
+    )
+
+
+def job_grantable(job: PendingJob) -> bool:
+    """`grantable` for a waiting job."""
+    return grantable(
+        job.req,
+        gang=job.gang is not None,
+        labels=bool(set(job.labels) - AUTO_LABELS),
+        gpu_affinity=job.gpu_affinity,
+    )
+
+
+def quiet(decision: Decision, waiting: int) -> bool:
+    """Whether a pass left nothing waiting: it started every job it saw, planned no
+    preemption, denied nothing and reserved nothing."""
+    return (
+        not decision.annotations
+        and not decision.preemptions
+        and not decision.denials
+        and not decision.reservations
+        and len(decision.assignments) == waiting
+    )
+
+
+def grants_after(
+    decision: Decision,
+    jobs: Mapping[str, PendingJob],
+    held: Mapping[str, str],
+    waiting: int,
+) -> dict[str, str]:
+    """The grants a quiet pass adds, key -> worker: for each grantable class it started
+    jobs of, the worker its last job went to, unless that class or worker already holds
+    a grant (`held`, key -> worker). At most one class per worker, so that the jobs
+    queued on a worker never compete with another class's. {} after a pass that was not
+    quiet (the caller revokes every grant then)."""
+    if not quiet(decision, waiting):
+        return {}
+    busy = set(held.values())
+    last: dict[str, str] = {}
+    for a in decision.assignments:
+        job = jobs.get(a.task_id)
+        if job is None or not job_grantable(job):
+            continue
+        last[grant_key(job.queue, job.band, job.class_key)] = a.worker
+    out: dict[str, str] = {}
+    for key, worker in last.items():
+        if key in held or worker in busy:
+            continue
+        busy.add(worker)
+        out[key] = worker
+    return out
+
+
+def to_revoke(
+    held: Mapping[str, str],
+    live: Sequence[str],
+    backlog: Mapping[str, int],
+    room_elsewhere: Mapping[str, bool],
+) -> list[str]:
+    """The grants to end now, key list: the holder left (`live` lacks it), or jobs are
+    queued on the holder (`backlog`, by worker) while another worker could start one of
+    the class now (`room_elsewhere`, by key)."""
+    alive = set(live)
+    return [
+        key
+        for key, worker in held.items()
+        if worker not in alive or (backlog.get(worker, 0) > 0 and room_elsewhere.get(key, False))
+    ]

@@ -1,0 +1,119 @@
+"""Grants with real workers (`scheduler.grants`, `integration.granting`, `integration.granted`).
+
+While nothing waits, the leader grants a class of simple jobs to the worker it placed
+the last one on, and publishers send the class's next jobs straight to that worker's
+queue. These tests check the three promises that make that safe: the jobs run once
+each where the scheduler would have put them; a job that must wait ends the grant and
+is not overtaken by the granted jobs queued ahead of it; and jobs queued on a holder
+that dies are not lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from celery_ojs_ml.integration.grants import GrantBook
+from celery_ojs_ml.store import OJSStore
+from tests.integration.mlapp import make_app
+from tests.integration.test_fleet import RESERVED, SPOT, _result, _results, _wait, _worker
+from tests.integration.workers import running
+
+pytestmark = pytest.mark.integration
+
+CONF = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True})
+
+
+def _granted_to(store: OJSStore, worker: str) -> bool:
+    return any(w.startswith(worker) for w, _ in GrantBook(store).all().values())
+
+
+def _warm(app: object, client: redis.Redis, store: OJSStore, worker: str, headers: dict) -> None:  # type: ignore[type-arg]
+    """One job on a quiet fleet: the leader places it, then grants its class."""
+    record = app.tasks["ml.record"]  # type: ignore[attr-defined]
+    first = record.apply_async(args=["warm", 0.0], headers=headers).id
+    _wait(lambda: _result(client, first), 30, "the first job")
+    _wait(lambda: _granted_to(store, worker), 10, f"a grant to {worker}")
+
+
+def test_jobs_of_a_granted_class_go_straight_to_the_holder_and_each_runs_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OJS_TEST_CONF", CONF)  # the publisher's app too
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    one = _worker("one", redis_url, "nvidia-a100x8", tmp_path, OJS_TEST_CONF=CONF)
+    with running([one], store):
+        _warm(app, redis_client, store, "one", SPOT)
+        ids = [record.apply_async(args=[f"g{n}", 0.0], headers=SPOT).id for n in range(30)]
+        _wait(lambda: all(_result(redis_client, t) for t in ids), 60, "every granted job")
+    results = {r["task_id"]: r for r in _results(redis_client)}
+    assert all(results[t]["worker"].startswith("one") for t in ids)
+    granted = [t for t in ids if results[t]["grant"]]
+    assert len(granted) == len(ids), f"{len(ids) - len(granted)} jobs went through the intake"
+    app.close()
+
+
+def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted_backlog(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound: when the reserved job is published, the 1-GPU worker runs one granted
+    job and has taken at most Celery's prefetch (multiplier 4 x concurrency 2) more off
+    its queue; the rest are taken back to the intake when the grant ends. So at most 9
+    granted jobs start after it is published and before it; with the grant kept, all 40
+    would."""
+    monkeypatch.setenv("OJS_TEST_CONF", CONF)
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=CONF)
+    with running([one], store):
+        _warm(app, redis_client, store, "one", SPOT)
+        ids = [record.apply_async(args=[f"s{n}", 0.1], headers=SPOT).id for n in range(40)]
+        _wait(lambda: len(_results(redis_client)) >= 4, 30, "the granted jobs to start")
+        sent = time.time()
+        reserved = record.apply_async(args=["reserved", 0.1], headers=RESERVED).id
+        _wait(lambda: _result(redis_client, reserved), 30, "the reserved job")
+        assert not GrantBook(store).all(), "the grant outlived a job that waited"
+        _wait(lambda: all(_result(redis_client, t) for t in ids), 60, "every spot job")
+    results = {r["task_id"]: r for r in _results(redis_client)}
+    start = results[reserved]["start"]
+    ahead = [t for t in ids if sent < results[t]["start"] < start]
+    assert len(ahead) <= 9, f"{len(ahead)} granted jobs started before the reserved one"
+    back = [t for t in ids if results[t]["assigned"]]  # taken back, then assigned by the leader
+    assert len(back) >= 40 - 9 - 4, f"only {len(back)} granted jobs were taken back"
+    assert not any(results[t]["grant"] for t in back)
+    app.close()
+
+
+def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the holder with granted jobs running, taken and queued; a second worker
+    starts: the leader there revokes the grant, takes the queued jobs back at once and
+    the taken ones once the holder has been gone a lease TTL; leases bring back the one
+    that was running."""
+    conf = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_lease_ttl_s": 3, "ojs_ml_grants": True})
+    monkeypatch.setenv("OJS_TEST_CONF", conf)
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    doomed = _worker("doomed", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=conf)
+    spare = _worker("spare", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=conf)
+    with running([doomed], store):
+        _warm(app, redis_client, store, "doomed", SPOT)
+        ids = [record.apply_async(args=[f"d{n}", 0.3], headers=SPOT).id for n in range(20)]
+        _wait(lambda: len(_results(redis_client)) >= 3, 30, "the granted jobs to start")
+        doomed.kill()
+    done_before = {r["task_id"] for r in _results(redis_client)}
+    with running([spare], store):
+        _wait(lambda: all(_result(redis_client, t) for t in ids), 90, "every job after the kill")
+    results = {r["task_id"]: r for r in _results(redis_client)}
+    assert set(ids) <= set(results), "a job was lost"
+    assert any(results[t]["worker"].startswith("spare") for t in ids if t not in done_before)
+    app.close()
