@@ -5,10 +5,11 @@ below is set by `MLWorker.__init__`/`start`. `scheduler.grants` says what a gran
 
 Key decisions:
 * The worker knows its grants (`mine`: field -> epoch) from the store: read at every
-  heartbeat, and again (at most every `_REREAD_S`) when a job arrives under an epoch it
-  does not know. A job whose epoch is not among them is given back to the intake with
-  its message, task id and headers unchanged: the leader admits and places it as any
-  other, so a revoked grant costs that job a hop, never its place or its run.
+  heartbeat, when an assignment arrives (at most every `_REREAD_S`: assignments flow
+  again once a grant ends), and when a job arrives under an epoch it does not know.
+  A job whose epoch is not among them is given back to the intake with its message,
+  task id and headers unchanged: the leader admits and places it as any other, so a
+  revoked grant costs that job a hop (and its submit time), never its run.
 * A granted job that does not fit yet waits at the gate inside Celery's own prefetch
   limit (plain Celery's behaviour: the prefork pool takes what it prefetched as
   processes free up), not beside it as an assignment held ahead does; one held longer
@@ -39,7 +40,9 @@ from celery_ojs_ml.store import OJSStore
 log = logging.getLogger("celery_ojs_ml.integration.worker")
 
 _REREAD_S = 0.1
-"""Least time between two reads of this worker's grants prompted by an unknown epoch."""
+"""Least time between two reads of this worker's grants prompted by an assignment."""
+_ENDED_MAX = 4096
+"""Ended grant epochs remembered (a job of one is given back without a read)."""
 
 
 def epoch_of(req: Any) -> str | None:
@@ -62,12 +65,14 @@ class Granted:
     hold_until: dict[Any, float]
     mine: dict[str, str]
     granted_held: set[Any]
+    _ended: set[str]
     _grants_read_at: float
     _grants_on: bool
 
     def init_grants(self) -> None:
         """At start: whether grants are used here, and this worker's."""
         self.mine, self.granted_held, self._grants_read_at = {}, set(), 0.0
+        self._ended: set[str] = set()
         self._grants_on = grants_usable(self.app)
         self.read_grants()
 
@@ -82,12 +87,20 @@ class Granted:
             log.warning("ojs-ml: could not read this worker's grants: %s", exc)
 
     def grant_current(self, epoch: str) -> bool:
-        """Whether `epoch` is one of this worker's grants (read again if it is unknown)."""
+        """Whether `epoch` is one of this worker's grants. An unknown one is read again
+        (the grant may be newer than the last read); one still unknown after a read made
+        since the job arrived has ended for good (epochs are never reused)."""
         if epoch in self.mine.values():
             return True
-        if time.monotonic() - self._grants_read_at >= _REREAD_S:
-            self.read_grants()
-        return epoch in self.mine.values()
+        if epoch in self._ended:
+            return False
+        self.read_grants()
+        if epoch in self.mine.values():
+            return True
+        if len(self._ended) >= _ENDED_MAX:
+            self._ended.clear()
+        self._ended.add(epoch)
+        return False
 
     def recheck_grants(self) -> None:
         """Read this worker's grants again unless that was done within `_REREAD_S`; give

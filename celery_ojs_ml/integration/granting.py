@@ -5,12 +5,14 @@ attribute below is set by `FleetScheduler.__init__` or its other mixins.
 `scheduler.grants` says what a grant is and when one is made.
 
 Key decisions:
-* A pass that leaves a job waiting (or preempts, denies or reserves) revokes every
-  grant at once, before its assignments go out: the fleet is back to one decision per
-  job, in fleet order. Revoking deletes the grants (publishers stop sending there) and
-  then moves the jobs still queued on each holder back to the intake in one Lua call
-  (`redis_intake.sweep_granted`); the holder gives back the ones it already took but
-  did not start (`integration.granted`). The next pass orders them with the rest.
+* A pass that leaves a job waiting (or preempts, denies or reserves for it) revokes the
+  grants of every worker that job could use (`scheduler.grants.contested`), before its
+  assignments go out: there, the fleet is back to one decision per job, in fleet order.
+  A held reservation revokes every grant. Revoking deletes the grants (publishers stop
+  sending there) and then moves the jobs still queued on each holder back to the
+  intake in one Lua call (`redis_intake.sweep_granted`); the holder gives back the ones
+  it already took but did not start (`integration.granted`). The next pass orders them
+  with the rest.
 * A holder that left is revoked at the first pass that misses it; the granted jobs it
   had taken off its queue are in kombu's unacked hash, and go back to the intake once
   it has been gone `ojs_ml_lease_ttl_s` (`redis_intake.restore_granted`): that is when
@@ -32,7 +34,7 @@ from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usa
 from celery_ojs_ml.integration.routing import worker_queue_name
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, WorkerState, schedule
-from celery_ojs_ml.scheduler.grants import grants_after, quiet, to_revoke
+from celery_ojs_ml.scheduler.grants import foreign, grants_after, to_revoke
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
@@ -69,22 +71,47 @@ class Granting:
         except Exception as exc:
             log.warning("ojs-ml: could not read the grants: %s", exc)
 
-    def _revoke_unless_quiet(self, decision: Decision, outstanding: int, reserving: bool) -> None:
-        """Before a pass's decisions go out: revoke every grant unless the pass leaves
-        nothing waiting (`scheduler.grants.quiet`) and no reservation is held."""
-        waits = reserving or not quiet(decision, outstanding)
-        if self._granted and waits and self._grants_usable():
-            self.revoke_grants(list(self._granted))
+    def _revoke_contested(
+        self,
+        blocked: frozenset[str] | None,
+        reserving: bool,
+        decision: Decision,
+        jobs: dict[str, PendingJob],
+    ) -> None:
+        """Before a pass's decisions go out: revoke the grants of the workers a job it left
+        waiting could use (`scheduler.grants.contested`; every grant while a reservation
+        is held), and of those it assigns a job of another class to (`foreign`)."""
+        if not self._granted or not self._grants_usable():
+            return
+        held = {f: w for f, (w, _) in self._granted.items()}
+        hit = foreign(decision, jobs, held)
+        gone = [
+            f
+            for f, worker in held.items()
+            if reserving or blocked is None or worker in blocked or worker in hit
+        ]
+        self.revoke_grants(gone)
+
+    def _lane_blocked(self, decision: Decision, jobs: dict[str, PendingJob]) -> bool:
+        """Whether the fast lane must leave these arrivals to a full pass: it would assign
+        one to a grant holder behind the granted backlog (`foreign`)."""
+        if not self._granted:
+            return False
+        return bool(foreign(decision, jobs, {f: w for f, (w, _) in self._granted.items()}))
 
     def _grant_after(
-        self, decision: Decision, jobs: dict[str, PendingJob], outstanding: int, reserving: bool
+        self,
+        decision: Decision,
+        jobs: dict[str, PendingJob],
+        blocked: frozenset[str] | None,
+        reserving: bool,
     ) -> None:
-        """After a quiet pass's assignments went out: grant each class it started on a
-        worker to that worker (`scheduler.grants.grants_after`)."""
+        """After a pass's assignments went out: grant each class it started on a worker no
+        waiting job could use to that worker (`scheduler.grants.grants_after`)."""
         if reserving or not self._grants_usable():
             return
         held = {f: w for f, (w, _) in self._granted.items()}
-        new = grants_after(decision, jobs, held, outstanding)
+        new = grants_after(decision, jobs, held, blocked)
         if not new:
             return
         written = GrantBook(self.store).issue(new)

@@ -76,8 +76,9 @@ class Lane:
     _deliver_all: Callable[..., int]
     _waiting_events: Callable[[list[Any]], None]
     _granted: dict[str, tuple[str, str]]
+    _lane_blocked: Callable[[Decision, dict[str, PendingJob]], bool]
     _tend_grants: Callable[[dict[str, Any], list[WorkerState] | None], None]
-    _grant_after: Callable[[Decision, dict[str, PendingJob], int, bool], None]
+    _grant_after: Callable[[Decision, dict[str, PendingJob], frozenset[str] | None, bool], None]
 
     def _lane_open(self) -> bool:
         """Whether this leader may use the lane at all (see module doc)."""
@@ -112,6 +113,8 @@ class Lane:
             decision.preemptions or decision.denials or decision.escalations
         ):
             return None
+        if self._lane_blocked(decision, jobs):
+            return None
         plain = [
             (a.task_id, a.worker, {"state": PENDING, "msg": msgs[a.task_id]}, jobs[a.task_id])
             for a in decision.assignments
@@ -124,7 +127,7 @@ class Lane:
         if sent != len(plain):
             self._dirty = True  # admitted but not assigned: the next step passes at once
         else:
-            self._grant_after(decision, jobs, len(jobs), False)
+            self._grant_after(decision, jobs, frozenset(), False)
         self.lane_passes += 1
         return decision
 

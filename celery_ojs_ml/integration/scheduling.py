@@ -55,6 +55,7 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.pending_view import PendingView
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
+from celery_ojs_ml.scheduler.grants import contested
 from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.scheduler.window import Window
 
@@ -82,11 +83,8 @@ def send_wake(app: Any, worker: str) -> None:
         )
 
 
-def _outstanding(decision: Decision, records: dict[str, Any]) -> int:
-    """How many jobs wait in the pending set (every one, not only those the pass saw);
-    counted only where the pass may have been quiet (`scheduler.grants.quiet`)."""
-    if decision.annotations or decision.preemptions:
-        return -1
+def _waiting_records(records: dict[str, Any]) -> int:
+    """How many jobs wait in the pending set (every one, not only those the pass saw)."""
     return sum(1 for r in records.values() if r.get("state") == "pending")
 
 
@@ -283,10 +281,10 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
-        outstanding = _outstanding(decision, records)
-        self._revoke_unless_quiet(decision, outstanding, reserving)
+        blocked = contested(decision, jobs, fleet, _waiting_records(records))
+        self._revoke_contested(blocked, reserving, decision, jobs)
         self._carry_out(decision, fleet, records, jobs, now)
-        self._grant_after(decision, jobs, outstanding, reserving)
+        self._grant_after(decision, jobs, blocked, reserving)
         self._tend_grants(live, fleet)
         self.passes += 1
         return decision

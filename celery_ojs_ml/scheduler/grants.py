@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from celery_ojs_ml.scheduler.model import Decision, PendingJob
+from celery_ojs_ml.matching import match
+from celery_ojs_ml.scheduler.model import Decision, PendingJob, WorkerState
 from celery_ojs_ml.spec.resources import MLRequirements
 
 AUTO_LABELS = frozenset({"job_type", "queue"})
@@ -57,32 +58,64 @@ def job_grantable(job: PendingJob) -> bool:
     )
 
 
-def quiet(decision: Decision, waiting: int) -> bool:
-    """Whether a pass left nothing waiting: it started every job it saw, planned no
-    preemption, denied nothing and reserved nothing."""
-    return (
-        not decision.annotations
-        and not decision.preemptions
-        and not decision.denials
-        and not decision.reservations
-        and len(decision.assignments) == waiting
-    )
+def contested(
+    decision: Decision,
+    jobs: Mapping[str, PendingJob],
+    fleet: Sequence[WorkerState],
+    waiting: int,
+) -> frozenset[str] | None:
+    """The workers a job the pass left waiting could use (it waits, or a preemption or
+    reservation was planned for it): a grant there must end, and none may be made
+    there. None: every worker (a waiting job the pass did not see, between full passes,
+    or one it cannot name). A worker a waiting job could use consumes the job's logical
+    queue and matches its hard constraints."""
+    seen = len(decision.assignments) + len(decision.annotations)
+    if seen < waiting:
+        return None
+    ids = {*decision.annotations, *(p.task_id for p in decision.preemptions)}
+    ids |= {r.task_id for r in decision.reservations}
+    ids |= {d.task_id for d in decision.denials}
+    out: set[str] = set()
+    for task_id in ids:
+        job = jobs.get(task_id)
+        if job is None:
+            return None
+        out |= {w.name for w in fleet if job.queue in w.queues and match(job.req, w.caps).eligible}
+    return frozenset(out)
+
+
+def foreign(
+    decision: Decision, jobs: Mapping[str, PendingJob], held: Mapping[str, str]
+) -> frozenset[str]:
+    """Grant holders (`held`, key -> worker) the pass assigns a job of another class to:
+    its message would queue behind the granted backlog there, so the grant must end
+    before it goes out. A job of the granted class itself keeps its place behind it."""
+    keys = {worker: key for key, worker in held.items()}
+    out: set[str] = set()
+    for a in decision.assignments:
+        mine = keys.get(a.worker)
+        job = jobs.get(a.task_id)
+        if mine is None:
+            continue
+        if job is None or grant_key(job.queue, job.band, job.class_key) != mine:
+            out.add(a.worker)
+    return frozenset(out)
 
 
 def grants_after(
     decision: Decision,
     jobs: Mapping[str, PendingJob],
     held: Mapping[str, str],
-    waiting: int,
+    blocked: frozenset[str] | None,
 ) -> dict[str, str]:
-    """The grants a quiet pass adds, key -> worker: for each grantable class it started
-    jobs of, the worker its last job went to, unless that class or worker already holds
-    a grant (`held`, key -> worker). At most one class per worker, so that the jobs
-    queued on a worker never compete with another class's. {} after a pass that was not
-    quiet (the caller revokes every grant then)."""
-    if not quiet(decision, waiting):
+    """The grants a pass adds, key -> worker: for each grantable class it started jobs
+    of, the worker its last job went to, unless that class or worker already holds a
+    grant (`held`, key -> worker) or a waiting job could use that worker (`blocked`, from
+    `contested`; None: every worker). At most one class per worker, so that the jobs
+    queued on a worker never compete with another class's."""
+    if blocked is None:
         return {}
-    busy = set(held.values())
+    busy = set(held.values()) | blocked
     last: dict[str, str] = {}
     for a in decision.assignments:
         job = jobs.get(a.task_id)

@@ -28,6 +28,12 @@ pytestmark = pytest.mark.integration
 CONF = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True})
 
 
+@pytest.fixture(autouse=True)
+def _no_grants(redis_client: redis.Redis) -> None:
+    """The Redis is the session's: start without the grants an earlier test left."""
+    redis_client.delete(GrantBook(OJSStore(redis_client, prefix="ojs")).key)
+
+
 def _granted_to(store: OJSStore, worker: str) -> bool:
     return any(w.startswith(worker) for w, _ in GrantBook(store).all().values())
 

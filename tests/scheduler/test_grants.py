@@ -11,11 +11,12 @@ from dataclasses import replace
 
 from celery_ojs_ml.scheduler import Decision
 from celery_ojs_ml.scheduler.grants import (
+    contested,
+    foreign,
     grant_key,
     grantable,
     grants_after,
     job_grantable,
-    quiet,
     to_revoke,
 )
 from celery_ojs_ml.scheduler.model import Annotation, Assignment, Preemption, Reservation
@@ -29,27 +30,43 @@ def _assigned(*pairs: tuple[str, str]) -> Decision:
 def test_a_quiet_pass_grants_each_class_to_the_worker_its_last_job_went_to() -> None:
     jobs = {f"j{i}": job(f"j{i}", at=i, gpu_count=1) for i in range(3)}
     key = grant_key("celery", "on-demand", jobs["j0"].class_key)
-    made = grants_after(_assigned(("j0", "a"), ("j1", "b"), ("j2", "b")), jobs, {}, 3)
+    made = grants_after(_assigned(("j0", "a"), ("j1", "b"), ("j2", "b")), jobs, {}, frozenset())
     assert made == {key: "b"}
 
 
-def test_a_pass_that_leaves_a_job_waiting_grants_nothing() -> None:
-    jobs = {f"j{i}": job(f"j{i}", at=i, gpu_count=1) for i in range(2)}
+def test_a_waiting_job_blocks_grants_on_every_worker_it_could_use_and_only_there() -> None:
+    """A job left waiting contests the workers that consume its queue and match it: no
+    grant there (and the leader revokes the ones there); elsewhere grants go on."""
+    small = job("j0", gpu_count=1)
+    big = job("j1", gpu_count=8)
+    other = job("j2", gpu_count=1, queue="batch")
+    jobs = {"j0": small, "j1": big, "j2": other}
+    fleet = [worker("a8"), worker("b8"), worker("l4", "nvidia-l4x1")]
     waits = Decision(
-        assignments=(Assignment("j0", "a", 0.0),),
-        annotations={"j1": Annotation("j1", "no free GPU", None)},
+        assignments=(Assignment("j0", "l4", 0.0),),
+        annotations={"j1": Annotation("j1", "no 8 free GPUs", None)},
     )
-    assert grants_after(waits, jobs, {}, 2) == {}
-    assert not quiet(waits, 2)
-    # a job outside what the pass saw (the window) also waits: not quiet
-    assert grants_after(_assigned(("j0", "a")), jobs, {}, 2) == {}
+    blocked = contested(waits, jobs, fleet, 2)
+    assert blocked == frozenset({"a8", "b8"})  # an 8-GPU job cannot use the 1-GPU worker
+    assert list(grants_after(waits, jobs, {}, blocked).values()) == ["l4"]
+    # a waiting job of a queue nobody here consumes contests no worker
+    queued = Decision(annotations={"j2": Annotation("j2", "no worker consumes batch", None)})
+    assert contested(queued, jobs, fleet, 1) == frozenset()
+    # a job the pass did not see (the window): every worker is contested
+    assert contested(_assigned(("j0", "a8")), jobs, fleet, 2) is None
+    assert grants_after(_assigned(("j0", "a8")), jobs, {}, None) == {}
 
 
-def test_preemption_denial_or_reservation_makes_a_pass_not_quiet() -> None:
-    base = _assigned(("j0", "a"))
-    assert quiet(base, 1)
-    assert not quiet(replace(base, preemptions=(Preemption("j9", "a", ("v",)),)), 1)
-    assert not quiet(replace(base, reservations=(Reservation("j9", "a", 5.0),)), 1)
+def test_preemption_denial_or_reservation_contests_the_jobs_workers() -> None:
+    jobs = {"j9": job("j9", gpu_count=1)}
+    fleet = [worker("a8")]
+    base = Decision()
+    for decision in (
+        replace(base, preemptions=(Preemption("j9", "a8", ("v",)),)),
+        replace(base, reservations=(Reservation("j9", "a8", 5.0),)),
+    ):
+        assert contested(decision, jobs, fleet, 0) == frozenset({"a8"})
+    assert contested(replace(base, preemptions=(Preemption("x", "a8", ()),)), {}, fleet, 0) is None
 
 
 def test_one_class_per_worker_and_one_worker_per_class() -> None:
@@ -58,10 +75,11 @@ def test_one_class_per_worker_and_one_worker_per_class() -> None:
     jobs = {"a1": one, "b1": two}
     key_one = grant_key("celery", "on-demand", one.class_key)
     key_two = grant_key("celery", "on-demand", two.class_key)
-    made = grants_after(_assigned(("a1", "w"), ("b1", "w")), jobs, {}, 2)
+    none: frozenset[str] = frozenset()
+    made = grants_after(_assigned(("a1", "w"), ("b1", "w")), jobs, {}, none)
     assert made == {key_one: "w"}  # the second class would share the worker's queue
-    assert grants_after(_assigned(("b1", "v")), jobs, {key_two: "w"}, 1) == {}
-    assert grants_after(_assigned(("b1", "v")), jobs, {key_one: "v"}, 1) == {}
+    assert grants_after(_assigned(("b1", "v")), jobs, {key_two: "w"}, none) == {}
+    assert grants_after(_assigned(("b1", "v")), jobs, {key_one: "v"}, none) == {}
 
 
 def test_jobs_placed_by_more_than_their_class_are_never_granted() -> None:
@@ -82,7 +100,7 @@ def test_jobs_placed_by_more_than_their_class_are_never_granted() -> None:
     )
     assert not grantable(escalating, gang=False, labels=False, gpu_affinity="pack")
     jobs = {"g": replace(plain, task_id="g", gang="g", gang_size=1)}
-    assert grants_after(_assigned(("g", "w")), jobs, {}, 1) == {}
+    assert grants_after(_assigned(("g", "w")), jobs, {}, frozenset()) == {}
 
 
 def test_the_grant_key_separates_queues_and_bands() -> None:
@@ -109,5 +127,17 @@ def test_a_granted_class_is_placed_where_the_core_places_it() -> None:
     small, big = worker("small", "nvidia-l4x1"), worker("big", "nvidia-a100x8")
     one = job("j", gpu_count=1)
     decision = decide([one], [big, small])
-    made = grants_after(decision, {"j": one}, {}, 1)
+    made = grants_after(decision, {"j": one}, {}, contested(decision, {"j": one}, [big, small], 1))
     assert list(made.values()) == ["small"]
+
+
+def test_an_assignment_of_another_class_to_a_holder_ends_its_grant_one_of_its_class_does_not() -> (
+    None
+):
+    """An assignment's message would queue behind the granted backlog on the holder."""
+    one, two = job("a", gpu_count=1), job("b", gpu_count=2)
+    jobs = {"a": one, "b": two}
+    held = {grant_key("celery", "on-demand", one.class_key): "w"}
+    assert foreign(_assigned(("b", "w")), jobs, held) == frozenset({"w"})
+    assert foreign(_assigned(("a", "w")), jobs, held) == frozenset()
+    assert foreign(_assigned(("b", "v")), jobs, held) == frozenset()
