@@ -54,7 +54,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.dispatch_app import RESULTS_KEY, make_app  # noqa: E402
+from bench.dispatch_app import GRANTS_PREFIX, RESULTS_KEY, make_app  # noqa: E402
 from celery_ojs_ml.store import OJSStore  # noqa: E402
 
 A100X8 = "profile:nvidia-a100x8"
@@ -246,11 +246,13 @@ class Bench:
     prefetch: int
     results: redis.Redis = field(init=False)
     store: OJSStore = field(init=False)
+    grants_store: OJSStore = field(init=False)
     _runs: int = 0
 
     def __post_init__(self) -> None:
         self.results = redis.Redis.from_url(self.broker)
         self.store = OJSStore(redis.Redis.from_url(self.broker), prefix="ojs")
+        self.grants_store = OJSStore(redis.Redis.from_url(self.broker), prefix=GRANTS_PREFIX)
         self._apps = {
             (plugin, grants): make_app(
                 self.broker, plugin=plugin, prefetch=self.prefetch, grants=grants
@@ -267,7 +269,7 @@ class Bench:
         worker = Worker(variant, self.broker, self.logdir, self.prefetch, tag)
         try:
             if variant.plugin:
-                worker.wait_live(self.store)
+                worker.wait_live(self.grants_store if variant.grants else self.store)
             self.warm_up(variant, worker)
             yield worker
         finally:

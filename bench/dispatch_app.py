@@ -8,7 +8,7 @@ the same app with one switch:
     OJS_BENCH_RECYCLE  `ojs_ml_recycle_gpu_children` ("cuda", "always", "never")
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
     OJS_BENCH_ML_PREFETCH `ojs_ml_prefetch` of the plugin (default: the plugin's)
-    OJS_BENCH_GRANTS   "1": `ojs_ml_grants` on (throughput mode)
+    OJS_BENCH_GRANTS   "1": `ojs_ml_grants` on (throughput mode), store prefix `ojsg`
 
 Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
 `ml={"ext_ml_gpu_count": 1}`, which the plugin routes to a requirement-class
@@ -27,6 +27,9 @@ import redis
 from celery import Celery
 
 RESULTS_KEY = "ojs-bench:dispatch"
+GRANTS_PREFIX = "ojsg"
+"""Store prefix of the grants variant: the setting is the leader's, so the grants worker
+forms a fleet of its own (its own leader and intake) beside the other plugin workers."""
 DEFAULT_BROKER = "redis://127.0.0.1:6399/0"
 _CLIENT: dict[int, redis.Redis] = {}
 """One results connection per process (created after fork, in the pool child)."""
@@ -63,8 +66,9 @@ def make_app(
 
         if recycle is not None:
             app.conf.ojs_ml_recycle_gpu_children = recycle
-        if grants:
+        if grants:  # a fleet of its own: its own leader, with grants on
             app.conf.ojs_ml_grants = True
+            app.conf.ojs_ml_store_prefix = GRANTS_PREFIX
         if os.environ.get("OJS_BENCH_ML_PREFETCH"):
             app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_ML_PREFETCH"])
         OJSML(app)
