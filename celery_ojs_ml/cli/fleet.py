@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
-from celery_ojs_ml.cli import sched
+from celery_ojs_ml.cli import granted, sched
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.matching.filters import FreeCapacity, fmt
 from celery_ojs_ml.spec.flux_rules import is_int
@@ -53,6 +53,11 @@ def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
     except Exception as exc:
         errors.append(f"scheduler state unavailable: {exc}")
         scheduled = {"leader": None, "jobs": {}}
+    try:
+        grants = granted.grants_part(plugin)
+    except Exception as exc:
+        errors.append(f"grants unavailable: {exc}")
+        grants = []
     now = time.time()
     workers = {
         name: _view(replies.get(name), live.get(name), held.get(name), now)
@@ -62,6 +67,7 @@ def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
         "workers": workers,
         "pending": pending,
         "scheduler": scheduled,
+        "grants": grants,
         "errors": errors,
         "time": now,
     }
@@ -294,6 +300,8 @@ def render_status(report: dict[str, Any]) -> str:
         blocks = ["no ojs-ml workers: none answered inspect and the store lists none live"]
     if "scheduler" in report:  # gather() always reads it; a hand-built report may not
         blocks.append(sched.render(report["scheduler"] or {}, report["time"]))
+    if report.get("grants"):
+        blocks.append(granted.render_grants(report["grants"]))
     blocks.append(_pending_block(report["pending"], report["time"]))
     blocks.extend(f"warning: {e}" for e in report["errors"])
     return "\n\n".join(blocks)

@@ -20,6 +20,7 @@ import click
 
 from celery_ojs_ml.cli import fleet as fleet_view
 from celery_ojs_ml.cli import offline, reserve, sched
+from celery_ojs_ml.cli.granted import find_granted
 from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
 from celery_ojs_ml.matching import pending_message, rank
@@ -157,7 +158,9 @@ def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) ->
     found = fleet_view.locate(task_id, report)
     if found["state"] == "unknown":
         try:
-            found = fleet_view.find_queued(plugin, task_id) or found
+            found = (
+                find_granted(plugin, task_id) or fleet_view.find_queued(plugin, task_id) or found
+            )
         except LookupError as exc:  # RabbitMQ: queued messages cannot be listed
             found["note"] = f"queued messages were not searched: {exc}"
         except Exception as exc:

@@ -20,7 +20,15 @@ import redis
 from celery_ojs_ml.integration.grants import GrantBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import make_app
-from tests.integration.test_fleet import RESERVED, SPOT, _result, _results, _wait, _worker
+from tests.integration.test_fleet import (
+    RESERVED,
+    SPOT,
+    _explain,
+    _result,
+    _results,
+    _wait,
+    _worker,
+)
 from tests.integration.workers import running
 
 pytestmark = pytest.mark.integration
@@ -82,6 +90,9 @@ def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted
         _warm(app, redis_client, store, "one", SPOT)
         ids = [record.apply_async(args=[f"s{n}", 0.1], headers=SPOT).id for n in range(40)]
         _wait(lambda: len(_results(redis_client)) >= 4, 30, "the granted jobs to start")
+        seen = _explain(app, ids[-1])  # queued on the holder, not in the pending set
+        assert (seen["state"], seen["worker"]) == ("assigned", "one@test"), seen
+        assert seen["grant"] and seen["ahead"] >= 1 and seen["reason_pending"] is None
         sent = time.time()
         reserved = record.apply_async(args=["reserved", 0.1], headers=RESERVED).id
         _wait(lambda: _result(redis_client, reserved), 30, "the reserved job")

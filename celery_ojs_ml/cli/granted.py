@@ -1,0 +1,93 @@
+"""`status` and `explain` for grants (`ojs_ml_grants`, docs/scheduling.md "Grants").
+
+A job published under a grant is not in the pending set: it waits on its holder's own
+queue, a Redis list. `status` lists every grant with how many jobs are queued on its
+holder; `explain` finds such a job there (reading the head of each holder's queue, as it
+does for the requirement-class queues) and says so: `assigned` to the holder, with how
+many messages go before it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from celery_ojs_ml.integration.plugin import OJSML
+
+_SCAN_LIMIT = 10_000
+"""Messages read from the head of each holder's queue when looking for a task id."""
+
+
+def _holder_queues(plugin: OJSML) -> dict[str, tuple[str, str]]:
+    """holder's own queue -> (grant field, holder), for every grant in the store."""
+    from celery_ojs_ml.integration.routing import worker_queue_name
+
+    prefix = plugin.settings.store_prefix
+    return {
+        worker_queue_name(prefix, worker): (field, worker)
+        for field, (worker, _) in plugin.grant_book.all().items()
+    }
+
+
+def grants_part(plugin: OJSML) -> list[dict[str, Any]]:
+    """Every grant: its field (queue|band|class), holder and jobs queued on the holder."""
+    from celery_ojs_ml.integration import redis_intake
+
+    holders = _holder_queues(plugin)
+    if not holders:
+        return []
+    with plugin.app.connection_for_read() as conn:
+        channel = conn.default_channel
+        counts = redis_intake.backlog(channel.client, channel, list(holders))
+    return [
+        {"grant": field, "worker": worker, "queued": counts.get(queue, 0)}
+        for queue, (field, worker) in sorted(holders.items())
+    ]
+
+
+def render_grants(part: list[dict[str, Any]]) -> str:
+    """The human lines of `grants_part` (empty when there is no grant)."""
+    if not part:
+        return ""
+    lines = ["grants (throughput mode: jobs of these classes go straight to the worker):"]
+    for g in part:
+        lines.append(f"  {g['grant']} -> {g['worker']}, {g['queued']} job(s) queued there")
+    return "\n".join(lines)
+
+
+def find_granted(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
+    """A job published under a grant and still queued on its holder; None if not found."""
+    from celery_ojs_ml.integration import redis_intake
+
+    holders = _holder_queues(plugin)
+    if not holders:
+        return None
+    with plugin.app.connection_for_read() as conn:
+        if conn.transport.driver_type != "redis":
+            return None
+        channel = conn.default_channel
+        for queue, (field, worker) in holders.items():
+            ahead = 0
+            for key in redis_intake.queue_keys(channel, queue):
+                items = channel.client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes the right
+                for index, raw in enumerate(items):
+                    try:
+                        headers = json.loads(raw).get("headers") or {}
+                    except (ValueError, AttributeError):
+                        continue
+                    if headers.get("id") == task_id:
+                        before = ahead + len(items) - 1 - index
+                        return {
+                            "task_id": task_id,
+                            "state": "assigned",
+                            "worker": worker,
+                            "reason_pending": None,
+                            "t_estimate": None,
+                            "grant": field,
+                            "ahead": before,
+                            "note": f"published under a grant: queued on {worker}'s own "
+                            f"queue with {before} message(s) before it",
+                        }
+                ahead += len(items)
+    return None
