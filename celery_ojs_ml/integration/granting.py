@@ -187,5 +187,5 @@ class Granting:
         if moved:
             self._dirty = True
             log.warning(
-                "ojs-ml: %d granted jobs %s had taken went back to the intake", moved, worker
+                "ojs-ml: %d granted jobs that %s had taken went back to the intake", moved, worker
             )

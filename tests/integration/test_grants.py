@@ -114,7 +114,8 @@ def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
     """SIGKILL the holder with granted jobs running, taken and queued; a second worker
     starts: the leader there revokes the grant, takes the queued jobs back at once and
     the taken ones once the holder has been gone a lease TTL; leases bring back the one
-    that was running."""
+    that was running. Without the restore of the taken ones they would wait for kombu's
+    visibility timeout (an hour in the test app) and the 90 s bound would fail."""
     conf = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_lease_ttl_s": 3, "ojs_ml_grants": True})
     monkeypatch.setenv("OJS_TEST_CONF", conf)
     store = OJSStore(redis_client, prefix="ojs")

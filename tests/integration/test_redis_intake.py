@@ -9,6 +9,7 @@ against kombu 5.7.0): they fail when it changes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import time
@@ -300,3 +301,62 @@ def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
     finally:
         leader._close()
         app.close()
+
+
+def _publish_to(channel: object, queue: str, task_id: str, headers: dict[str, Any]) -> None:
+    producer = Producer(channel)  # type: ignore[no-untyped-call]
+    producer.publish(
+        [[task_id], {}, {}],
+        exchange=ml_queue(queue).exchange,
+        routing_key=queue,
+        declare=[ml_queue(queue)],
+        headers={"id": task_id, "task": "t", **headers},
+        serializer="json",
+    )
+
+
+def test_a_revoked_grant_moves_only_granted_messages_from_the_holders_queue_to_the_intake(
+    channel: object, redis_client: redis.Redis
+) -> None:
+    """`sweep_granted` reads kombu's lists of a worker's own queue (kombu 5.7.0 layout):
+    the granted messages go to the intake oldest first; an assignment stays."""
+    own = "ojs.ml.w.holder@test"
+    _publish_to(channel, own, "g1", {"ojs_grant": "e1"})
+    _publish_to(channel, own, "a1", {"ojs_grant": "e1", "ojs_assign": "tok"})
+    _publish_to(channel, own, "g2", {"ojs_grant": "e1"})
+    moved = redis_intake.sweep_granted(redis_client, channel, own, QUEUE, "ojs_grant", "ojs_assign")
+    assert moved == 2
+    assert [json.loads(r)["headers"]["id"] for r in redis_client.lrange(own, 0, -1)] == ["a1"]
+    taken = RedisIntake(channel, QUEUE, batch=8).pop(0.0)
+    assert [m.headers["id"] for m in taken] == ["g1", "g2"]  # in publish order
+
+
+def test_a_dead_holders_unacked_granted_messages_go_back_to_the_intake(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """`restore_granted` reads kombu's unacked hash (`[message, exchange, routing key]` by
+    delivery tag, kombu 5.7.0): a message a consumer took and never acked goes to the
+    intake, once, and leaves kombu's bookkeeping so that kombu does not restore it too."""
+    own = "ojs.ml.w.dead@test"
+    with Connection(redis_url) as conn:  # type: ignore[no-untyped-call]
+        channel = conn.channel()
+        for task_id, extra in (("g1", {"ojs_grant": "e1"}), ("a1", {"ojs_assign": "t"})):
+            _publish_to(channel, own, task_id, extra)
+        taken: list[Any] = []
+        consumer = conn.Consumer(
+            [ml_queue(own)], callbacks=[lambda _b, m: taken.append(m)], accept=["json"]
+        )
+        consumer.qos(prefetch_count=10)
+        with consumer:
+            deadline = time.monotonic() + 5
+            while len(taken) < 2 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError, OSError):
+                    conn.drain_events(timeout=0.2)
+        assert len(taken) == 2 and redis_client.hlen("unacked") == 2  # taken, never acked
+        args = (redis_client, channel, own, QUEUE, "ojs_grant", "ojs_assign")
+        assert redis_intake.restore_granted(*args) == 1
+        assert redis_intake.restore_granted(*args) == 0  # once
+        assert redis_client.hlen("unacked") == 1 and redis_client.zcard("unacked_index") == 1
+        back = RedisIntake(channel, QUEUE, batch=8).pop(0.0)
+        assert [m.headers["id"] for m in back] == ["g1"]
+        assert json.loads(back[0].body)[0] == ["g1"]  # the body survives the move
