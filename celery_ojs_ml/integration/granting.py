@@ -34,7 +34,7 @@ from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usa
 from celery_ojs_ml.integration.routing import worker_queue_name
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, WorkerState, schedule
-from celery_ojs_ml.scheduler.grants import foreign, grants_after, to_revoke
+from celery_ojs_ml.scheduler.grants import contested, foreign, grants_after, to_revoke
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,23 @@ class Granting:
             self._granted = GrantBook(self.store).all()
         except Exception as exc:
             log.warning("ojs-ml: could not read the grants: %s", exc)
+
+    def _contested(
+        self,
+        decision: Decision,
+        jobs: dict[str, PendingJob],
+        fleet: list[WorkerState],
+        records: dict[str, Any],
+    ) -> frozenset[str] | None:
+        """`scheduler.grants.contested` over the workers that matter: the holders and the
+        workers the pass assigned to (frozenset() at no cost where grants are off)."""
+        if not self._grants_usable():
+            return frozenset()
+        names = {w for w, _ in self._granted.values()} | {a.worker for a in decision.assignments}
+        if not names:
+            return frozenset()
+        waiting = sum(1 for r in records.values() if r.get("state") == "pending")
+        return contested(decision, jobs, [w for w in fleet if w.name in names], waiting)
 
     def _revoke_contested(
         self,

@@ -55,7 +55,6 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.pending_view import PendingView
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
-from celery_ojs_ml.scheduler.grants import contested
 from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.scheduler.window import Window
 
@@ -81,11 +80,6 @@ def send_wake(app: Any, worker: str) -> None:
             serializer="json",
             retry=False,
         )
-
-
-def _waiting_records(records: dict[str, Any]) -> int:
-    """How many jobs wait in the pending set (every one, not only those the pass saw)."""
-    return sum(1 for r in records.values() if r.get("state") == "pending")
 
 
 class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
@@ -281,7 +275,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
         self._escalations(decision, jobs)
-        blocked = contested(decision, jobs, fleet, _waiting_records(records))
+        blocked = self._contested(decision, jobs, fleet, records)
         self._revoke_contested(blocked, reserving, decision, jobs)
         self._carry_out(decision, fleet, records, jobs, now)
         self._grant_after(decision, jobs, blocked, reserving)

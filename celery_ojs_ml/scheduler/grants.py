@@ -76,10 +76,14 @@ def contested(
     ids |= {r.task_id for r in decision.reservations}
     ids |= {d.task_id for d in decision.denials}
     out: set[str] = set()
+    kinds: set[tuple[str, str]] = set()
     for task_id in ids:
         job = jobs.get(task_id)
         if job is None:
             return None
+        if (job.queue, job.class_key) in kinds:  # equal hard constraints, equal answer
+            continue
+        kinds.add((job.queue, job.class_key))
         out |= {w.name for w in fleet if job.queue in w.queues and match(job.req, w.caps).eligible}
     return frozenset(out)
 
