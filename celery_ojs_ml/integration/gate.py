@@ -99,22 +99,16 @@ class Gate(LeaseKeeping, granted.Granted):
         epoch = granted.epoch_of(req)
         if epoch is not None:
             return self._gate_granted(req, ml, epoch)
-        if self.mine and assigned.token_of(req) is not None:
+        token = assigned.token_of(req)
+        if self.mine and token is not None:
             self.recheck_grants()  # assignments flow again: were the grants revoked?
         rid = ml.ext_ml_reservation_id
         if rid is not None and rid not in self.allocator.pools:
             self.hold_reservations()  # placed since the last refresh?
         with self.lock:
             ml = self.preemptions.cap(ml, headers)
-            outcome = self.allocator.try_alloc(
-                req,
-                req.id,
-                ml,
-                priority=band_priority(headers),
-                labels=job_labels(req.name, headers),
-                prefer=self._warm_sets(ml),
-            )
-            if assigned.token_of(req) is not None and not isinstance(outcome, Allocation):
+            outcome = self._try_alloc(req, ml)
+            if token is not None and not isinstance(outcome, Allocation):
                 return self._not_fitting(req, outcome)
             if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:
                 grace = self.preemptions.make_room(ml, outcome.band)
@@ -129,14 +123,7 @@ class Gate(LeaseKeeping, granted.Granted):
             self.give_back_granted(req, "its class's grant ended")
             return None
         with self.lock:
-            outcome = self.allocator.try_alloc(
-                req,
-                req.id,
-                ml,
-                priority=band_priority(req.request_dict),
-                labels=job_labels(req.name, req.request_dict),
-                prefer=self._warm_sets(ml),
-            )
+            outcome = self._try_alloc(req, ml)
             if isinstance(outcome, Allocation):
                 return self._dispatch(req, outcome)
             if isinstance(outcome, Pending):
@@ -144,6 +131,18 @@ class Gate(LeaseKeeping, granted.Granted):
                 return None
         self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
         return None
+
+    def _try_alloc(self, req: Any, ml: MLRequirements) -> Allocation | Pending | Denied:
+        """The allocator's answer for a request (under `self.lock`)."""
+        headers = req.request_dict
+        return self.allocator.try_alloc(
+            req,
+            req.id,
+            ml,
+            priority=band_priority(headers),
+            labels=job_labels(req.name, headers),
+            prefer=self._warm_sets(ml),
+        )
 
     def _warm_sets(self, ml: MLRequirements) -> list[tuple[int, ...]]:
         """Device sets idle warm children are bound to (`warm_pool`), model holders first."""

@@ -58,6 +58,10 @@ class Granting:
     """Holders that left -> when this leader missed them first (`restore_granted`)."""
     _grants_on: bool | None
 
+    def _holders(self) -> dict[str, str]:
+        """field -> holder of every grant."""
+        return {f: w for f, (w, _) in self._granted.items()}
+
     def _grants_usable(self) -> bool:
         if self._grants_on is None:
             self._grants_on = grants_usable(self.app) and not self.policy.counts_assignments
@@ -100,7 +104,7 @@ class Granting:
         is held), and of those it assigns a job of another class to (`foreign`)."""
         if not self._granted or not self._grants_usable():
             return
-        held = {f: w for f, (w, _) in self._granted.items()}
+        held = self._holders()
         hit = foreign(decision, jobs, held)
         gone = [
             f
@@ -114,7 +118,7 @@ class Granting:
         one to a grant holder behind the granted backlog (`foreign`)."""
         if not self._granted:
             return False
-        return bool(foreign(decision, jobs, {f: w for f, (w, _) in self._granted.items()}))
+        return bool(foreign(decision, jobs, self._holders()))
 
     def _grant_after(
         self,
@@ -127,7 +131,7 @@ class Granting:
         waiting job could use to that worker (`scheduler.grants.grants_after`)."""
         if reserving or not self._grants_usable():
             return
-        held = {f: w for f, (w, _) in self._granted.items()}
+        held = self._holders()
         new = grants_after(decision, jobs, held, blocked)
         if not new:
             return
@@ -155,9 +159,7 @@ class Granting:
             counts = redis_intake.backlog(self.store.client, self._direct, queues)
             backlog = {w: counts[q] for w, q in zip(holders, queues, strict=True)}
             room = {f: self._room_elsewhere(f, fleet, backlog) for f in self._granted}
-            gone = to_revoke(
-                {f: w for f, (w, _) in self._granted.items()}, list(live), backlog, room
-            )
+            gone = to_revoke(self._holders(), list(live), backlog, room)
             for field in gone:
                 worker = self._granted[field][0]
                 if worker not in live:
