@@ -92,16 +92,14 @@ class Variant:
 
 
 PLAIN = Variant("plain", "plain Celery", plugin=False)
-PLUGIN = Variant("plugin", "plugin, default (children reused)", True, None, A100X8)
-RETIRE = Variant("retire", "plugin, a fresh child per task", True, "always", A100X8)
-GRANTS = Variant(
-    "grants", "plugin, ojs_ml_grants on (throughput mode)", True, None, A100X8, grants=True
-)
-WAKE = Variant("wake", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
-WAKE_LONG = Variant("wake_long", "plugin 1 GPU -c 2, default", True, None, ONE_GPU)
-WAKE_NR = Variant("wake_nr", "plugin 1 GPU -c 2, a fresh child per task", True, "always", ONE_GPU)
+PLUGIN = Variant("plugin", "plugin, grants off (a decision per job)", True, None, A100X8)
+RETIRE = Variant("retire", "plugin, grants off, a fresh child per task", True, "always", A100X8)
+GRANTS = Variant("grants", "plugin, defaults (ojs_ml_grants on)", True, None, A100X8, grants=True)
+WAKE = Variant("wake", "plugin 1 GPU -c 2, grants off", True, None, ONE_GPU)
+WAKE_LONG = Variant("wake_long", "plugin 1 GPU -c 2, grants off", True, None, ONE_GPU)
+WAKE_NR = Variant("wake_nr", "plugin 1 GPU -c 2, grants off, fresh child", True, "always", ONE_GPU)
 WAKE_GRANTS = Variant(
-    "wake_grants", "plugin 1 GPU -c 2, ojs_ml_grants on", True, None, ONE_GPU, grants=True
+    "wake_grants", "plugin 1 GPU -c 2, defaults (grants on)", True, None, ONE_GPU, grants=True
 )
 WAKE_PLAIN = Variant("wake_plain", "plain Celery -c 1 (reference, no gate)", False, concurrency=1)
 WAKE_PLAIN_NR = Variant(
@@ -640,9 +638,9 @@ def table(result: dict[str, Any]) -> str:
         )
     lines += ["", f"{'metric':72s} {'value':>10s} {'target':>9s}  result"]
     for key, name in (
-        ("plugin", "default"),
-        ("retire", "a fresh child per task"),
-        ("grants", "ojs_ml_grants on"),
+        ("plugin", "ojs_ml_grants off"),
+        ("retire", "grants off, a fresh child per task"),
+        ("grants", "defaults (ojs_ml_grants on)"),
     ):
         x = v[key]
         h, i = x["latency"]["hot"], x["latency"]["idle"]

@@ -66,8 +66,8 @@ def make_app(
 
         if recycle is not None:
             app.conf.ojs_ml_recycle_gpu_children = recycle
+        app.conf.ojs_ml_grants = grants  # the default is on; off: a decision per job
         if grants:  # a fleet of its own: its own leader, with grants on
-            app.conf.ojs_ml_grants = True
             app.conf.ojs_ml_store_prefix = GRANTS_PREFIX
         if os.environ.get("OJS_BENCH_ML_PREFETCH"):
             app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_ML_PREFETCH"])

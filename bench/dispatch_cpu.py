@@ -128,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=600, help="tasks per segment")
     parser.add_argument("--segments", type=int, default=3, help="segments per variant")
     parser.add_argument("--redis-commands", action="store_true")
-    parser.add_argument("--grants", action="store_true", help="the plugin with ojs_ml_grants on")
+    parser.add_argument(
+        "--grants",
+        action="store_true",
+        help="the plugin with its defaults (ojs_ml_grants on); without it, ojs_ml_grants off",
+    )
     args = parser.parse_args(argv)
     ml = GRANTS if args.grants else PLUGIN
     with tempfile.TemporaryDirectory() as tmp, private_redis(Path(tmp)) as url:

@@ -280,6 +280,10 @@ class Allocator(RunningBook):
 
         return choose_victims(self._candidates(band), fits)
 
+    def waited(self, pending: Pending) -> float:
+        """Seconds `pending` has been held, on this allocator's clock."""
+        return self._clock() - pending.since
+
     def held(self) -> list[Pending]:
         """Held requests in queue order: the order `pump` serves them in."""
         return sorted(self._held.values(), key=self._order)

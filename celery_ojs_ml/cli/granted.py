@@ -3,8 +3,8 @@
 A job published under a grant is not in the pending set: it waits on its holder's own
 queue, a Redis list. `status` lists every grant with how many jobs are queued on its
 holder; `explain` finds such a job there (reading the head of each holder's queue, as it
-does for the requirement-class queues) and says so: `assigned` to the holder, with how
-many messages go before it.
+does for the requirement-class queues) and says so: `pending`, delivered ahead to the
+holder (as a prefetched job is), with how many messages go before it.
 """
 
 from __future__ import annotations
@@ -78,16 +78,24 @@ def find_granted(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
                         continue
                     if headers.get("id") == task_id:
                         before = ahead + len(items) - 1 - index
-                        return {
-                            "task_id": task_id,
-                            "state": "assigned",
-                            "worker": worker,
-                            "reason_pending": None,
-                            "t_estimate": None,
-                            "grant": field,
-                            "ahead": before,
-                            "note": f"published under a grant: queued on {worker}'s own "
-                            f"queue with {before} message(s) before it",
-                        }
+                        return _queued(task_id, worker, field, before, plugin)
                 ahead += len(items)
     return None
+
+
+def _queued(task_id: str, worker: str, field: str, before: int, plugin: OJSML) -> dict[str, Any]:
+    """`explain` of a job queued on its grant's holder: delivered ahead, as a prefetched
+    job is; it starts there or goes back to the scheduler within `ojs_ml_grant_wait_s`."""
+    wait = plugin.settings.grant_wait_s
+    return {
+        "task_id": task_id,
+        "state": "pending",
+        "worker": worker,
+        "reason_pending": f"delivered ahead to {worker} under its class's grant, behind "
+        f"{before} job(s) queued there; it starts there as they end, or goes back to the "
+        f"scheduler once it has waited {wait:g} s (ojs_ml_grant_wait_s)",
+        "t_estimate": None,
+        "grant": field,
+        "ahead": before + 1,
+        "queued_before": before,
+    }

@@ -126,10 +126,11 @@ class Gate(LeaseKeeping, granted.Granted):
             outcome = self._try_alloc(req, ml)
             if isinstance(outcome, Allocation):
                 return self._dispatch(req, outcome)
-            if isinstance(outcome, Pending):
-                self.hold_granted(req, outcome)
-                return None
-        self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
+            first = isinstance(outcome, Pending) and self.hold_granted(req, outcome)
+        if isinstance(outcome, Denied):
+            self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
+        elif first:  # the leader sees the backlog (room elsewhere ends the grant)
+            self.worker.wake_scheduler()
         return None
 
     def _try_alloc(self, req: Any, ml: MLRequirements) -> Allocation | Pending | Denied:
@@ -357,7 +358,9 @@ class Gate(LeaseKeeping, granted.Granted):
         req.reject(requeue=True)
 
     def expire_holds(self) -> None:
-        """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts)."""
+        """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts);
+        give back granted ones held longer than `ojs_ml_grant_wait_s` (`expire_granted`)."""
+        self.expire_granted()
         with self.lock:
             now = time.monotonic()
             for pending in self.allocator.expired(self.settings.max_hold_s):

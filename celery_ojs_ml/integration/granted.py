@@ -140,10 +140,36 @@ class Granted:
             return False
         return all(p.key in self.granted_held for p in self.allocator.held())
 
-    def hold_granted(self, req: Any, outcome: Pending) -> None:
-        """Hold a granted job that does not fit yet, inside Celery's prefetch limit."""
+    def hold_granted(self, req: Any, outcome: Pending) -> bool:
+        """Hold a granted job that does not fit yet, inside Celery's prefetch limit; True
+        when it is the only one held here (the caller then wakes the leader: a holder
+        with a backlog may be revoked where another worker has room)."""
         self.allocator.hold(outcome)
+        first = not self.granted_held
         self.granted_held.add(req)
+        return first
+
+    def expire_granted(self) -> None:
+        """Give back the granted jobs held here longer than `ojs_ml_grant_wait_s` (the
+        scheduler orders, annotates and places a job that waits that long), and those of
+        a grant that ended (read again while any is held)."""
+        if not self.granted_held:
+            return
+        self.read_grants()
+        self.return_revoked()
+        limit = self.settings.grant_wait_s
+        with self.lock:
+            old = [
+                p
+                for p in self.allocator.held()
+                if p.key in self.granted_held and self.allocator.waited(p) > limit
+            ]
+            for pending in old:
+                self.allocator.cancel(pending.key)
+                self.granted_held.discard(pending.key)
+                self.hold_until.pop(pending.key, None)
+        for pending in old:
+            self.give_back_granted(pending.key, f"waited {self.settings.grant_wait_s:g} s here")
 
     def return_revoked(self) -> None:
         """Give back the granted jobs held here whose grant ended (after `read_grants`)."""

@@ -17,8 +17,11 @@ Key decisions:
   had taken off its queue are in kombu's unacked hash, and go back to the intake once
   it has been gone `ojs_ml_lease_ttl_s` (`redis_intake.restore_granted`): that is when
   its leases are taken over too, so a worker that only stalled is treated alike.
-* A holder with jobs queued while another worker could start one of the class now is
-  revoked too: a grant never keeps a job waiting that a pass would start elsewhere.
+* A holder with jobs queued (or held at its gate) while another worker could start one
+  of the class now is revoked too: a grant never keeps a job waiting that a pass would
+  start elsewhere. So is one whose oldest queued granted job has waited longer than
+  `ojs_ml_grant_wait_s` (the publish time rides in header `ojs_grant_at`): a job that
+  waits that long is the scheduler's to order, annotate and place, as any other.
 * A new leader reads the grants in the store (RFC 27 `hello`) and keeps them.
 """
 
@@ -30,7 +33,12 @@ from typing import Any
 
 from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
-from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usable
+from celery_ojs_ml.integration.grants import (
+    HEADER_GRANT,
+    HEADER_GRANT_AT,
+    GrantBook,
+    grants_usable,
+)
 from celery_ojs_ml.integration.routing import worker_queue_name
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, WorkerState, schedule
@@ -126,13 +134,14 @@ class Granting:
         jobs: dict[str, PendingJob],
         blocked: frozenset[str] | None,
         reserving: bool,
+        fleet: list[WorkerState],
     ) -> None:
         """After a pass's assignments went out: grant each class it started on a worker no
         waiting job could use to that worker (`scheduler.grants.grants_after`)."""
         if reserving or not self._grants_usable():
             return
         held = self._holders()
-        new = grants_after(decision, jobs, held, blocked)
+        new = grants_after(decision, jobs, held, blocked, fleet)
         if not new:
             return
         written = GrantBook(self.store).issue(new)
@@ -154,12 +163,9 @@ class Granting:
         for worker in [w for w in self._gone if w in live]:
             del self._gone[worker]
         if self._granted:
-            holders = sorted({w for w, _ in self._granted.values() if w in live})
-            queues = [worker_queue_name(self.settings.store_prefix, w) for w in holders]
-            counts = redis_intake.backlog(self.store.client, self._direct, queues)
-            backlog = {w: counts[q] for w, q in zip(holders, queues, strict=True)}
+            backlog, stale = self._backlogs(live)
             room = {f: self._room_elsewhere(f, fleet, backlog) for f in self._granted}
-            gone = to_revoke(self._holders(), list(live), backlog, room)
+            gone = to_revoke(self._holders(), list(live), backlog, room, stale)
             for field in gone:
                 worker = self._granted[field][0]
                 if worker not in live:
@@ -169,6 +175,25 @@ class Granting:
             if now - since >= self.settings.lease_ttl_s:
                 del self._gone[worker]
                 self._restore(worker)
+
+    def _backlogs(self, live: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
+        """Jobs waiting on each live holder (queued, or at the worker: `_at_worker`), and
+        the holders whose oldest job sent under a grant has waited longer than
+        `ojs_ml_grant_wait_s` (queued here; the gate gives back its own)."""
+        holders = sorted({w for w, _ in self._granted.values() if w in live})
+        queues = [worker_queue_name(self.settings.store_prefix, w) for w in holders]
+        client = self.store.client
+        counts = redis_intake.backlog(client, self._direct, queues)
+        since = redis_intake.oldest(client, self._direct, queues, HEADER_GRANT_AT)
+        limit = time.time() - self.settings.grant_wait_s
+        backlog: dict[str, int] = {}
+        stale: set[str] = set()
+        for worker, queue in zip(holders, queues, strict=True):
+            backlog[worker] = counts[queue] + _at_worker(live[worker])
+            at = since[queue]
+            if at is not None and at < limit:
+                stale.add(worker)
+        return backlog, frozenset(stale)
 
     def _room_elsewhere(
         self, field: str, fleet: list[WorkerState] | None, backlog: dict[str, int]
@@ -208,3 +233,16 @@ class Granting:
             log.warning(
                 "ojs-ml: %d granted jobs that %s had taken went back to the intake", moved, worker
             )
+
+
+def _at_worker(entry: dict[str, Any]) -> int:
+    """Jobs waiting at a worker as its last heartbeat shows: held at its gate, or started
+    there but waiting in its pool for a process (ML jobs and plain tasks beyond it)."""
+    snap = entry.get("free") or {}
+    info = entry.get("info") or {}
+    held = len(snap.get("held") or [])
+    processes = info.get("processes")
+    if not isinstance(processes, int):
+        return held
+    running = len(snap.get("allocations") or []) + int(info.get("plain_running") or 0)
+    return held + max(0, running - processes)

@@ -23,6 +23,9 @@ from celery_ojs_ml.store import OJSStore
 
 HEADER_GRANT = "ojs_grant"
 """The epoch of the grant a job was published under (absent: admitted as usual)."""
+HEADER_GRANT_AT = "ojs_grant_at"
+"""When a job was published under a grant (seconds since the epoch): the leader takes a
+holder's queued jobs back once the oldest has waited `ojs_ml_grant_wait_s`."""
 
 
 def _split(raw: Any) -> tuple[str, str] | None:

@@ -26,7 +26,7 @@ from celery_ojs_ml.allocator.policy import with_preemption_limits
 from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.admission import Admission, BadMessage
 from celery_ojs_ml.integration.deadletter import dead_letter
-from celery_ojs_ml.integration.grants import HEADER_GRANT
+from celery_ojs_ml.integration.grants import HEADER_GRANT, HEADER_GRANT_AT
 from celery_ojs_ml.integration.leases import republish_headers
 from celery_ojs_ml.integration.preemption import policy_of, preemptions_of
 from celery_ojs_ml.integration.redis_intake import RedisIntake
@@ -169,6 +169,7 @@ class Intake:
         """An intake message: a job to admit, or a worker's wake-up."""
         headers = dict(message.headers or {})
         headers.pop(HEADER_GRANT, None)  # taken back from a grant's holder: admitted afresh
+        headers.pop(HEADER_GRANT_AT, None)
         self._dirty = True
         if HEADER_WAKE in headers:
             self._woken = True

@@ -78,7 +78,7 @@ class Lane:
     _granted: dict[str, tuple[str, str]]
     _lane_blocked: Callable[[Decision, dict[str, PendingJob]], bool]
     _tend_grants: Callable[[dict[str, Any], list[WorkerState] | None], None]
-    _grant_after: Callable[[Decision, dict[str, PendingJob], frozenset[str] | None, bool], None]
+    _grant_after: Callable[..., None]
 
     def _lane_open(self) -> bool:
         """Whether this leader may use the lane at all (see module doc)."""
@@ -127,7 +127,7 @@ class Lane:
         if sent != len(plain):
             self._dirty = True  # admitted but not assigned: the next step passes at once
         else:
-            self._grant_after(decision, jobs, frozenset(), False)
+            self._grant_after(decision, jobs, frozenset(), False, fleet)
         self.lane_passes += 1
         return decision
 

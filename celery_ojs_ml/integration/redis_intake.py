@@ -156,6 +156,36 @@ def backlog(client: redis.Redis, channel: Any, queues: list[str]) -> dict[str, i
     return out
 
 
+def oldest(
+    client: redis.Redis, channel: Any, queues: list[str], header: str
+) -> dict[str, float | None]:
+    """The smallest value of `header` (a publish time) among the messages next in line
+    on each of `queues` (the tail of each of its priority lists; one round trip): how
+    long its oldest job has waited. None where none shows the header."""
+    keys = {queue: queue_keys(channel, queue) for queue in queues}
+    with client.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            for key in keys[queue]:
+                pipe.lindex(key, -1)
+        raw = iter(pipe.execute())
+    out: dict[str, float | None] = {}
+    for queue in queues:
+        times = [_header_of(next(raw), header) for _ in keys[queue]]
+        found = [t for t in times if t is not None]
+        out[queue] = min(found) if found else None
+    return out
+
+
+def _header_of(payload: Any, header: str) -> float | None:
+    if payload is None:
+        return None
+    try:
+        value = (json.loads(payload).get("headers") or {}).get(header)
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
 def supports(channel: Any) -> bool:
     """Whether `channel` is kombu's Redis transport with the list layout this module reads."""
     try:

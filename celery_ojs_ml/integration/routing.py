@@ -12,6 +12,7 @@ are never touched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
 from celery_ojs_ml.errors import SpecError, Violation
-from celery_ojs_ml.integration.grants import HEADER_GRANT
+from celery_ojs_ml.integration.grants import HEADER_GRANT, HEADER_GRANT_AT
 from celery_ojs_ml.integration.labels import HEADER_LABELS, declared_labels
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.scheduler.grants import grant_key, grantable
@@ -42,7 +43,14 @@ HEADER_LOGICAL = "ojs_logical_queue"
 HEADER_PENDING = "ojs_pending"
 """Set when no live worker could run the job at publish; the reason is the value."""
 PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
-SCHEDULER_HEADERS = ("ojs_assign", "ojs_victims", "ojs_rendezvous", "ojs_prefetch", "ojs_grant")
+SCHEDULER_HEADERS = (
+    "ojs_assign",
+    "ojs_victims",
+    "ojs_rendezvous",
+    "ojs_prefetch",
+    "ojs_grant",
+    "ojs_grant_at",
+)
 """Set by the scheduler on one delivery; never carried into a new publish."""
 
 
@@ -233,6 +241,7 @@ class MLRouter:
             return None
         worker, epoch = grant
         headers[HEADER_GRANT] = epoch
+        headers[HEADER_GRANT_AT] = round(time.time(), 3)
         return worker_queue_name(self.plugin.settings.store_prefix, worker)
 
     def _logical_queue(self, task: Any, options: Mapping[str, Any]) -> str:

@@ -278,7 +278,7 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
         blocked = self._contested(decision, jobs, fleet, records)
         self._revoke_contested(blocked, reserving, decision, jobs)
         self._carry_out(decision, fleet, records, jobs, now)
-        self._grant_after(decision, jobs, blocked, reserving)
+        self._grant_after(decision, jobs, blocked, reserving, fleet)
         self._tend_grants(live, fleet)
         self.passes += 1
         return decision

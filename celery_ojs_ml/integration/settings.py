@@ -73,14 +73,20 @@ class OJSMLSettings(BaseModel):
     and start the moment a job there ends (0: off). They are the next jobs in fleet order
     planned on that worker, only while it has no free GPU and each fits in what any one
     running job there frees (`integration.prefetching`)."""
-    grants: bool = False
+    grants: bool = True
     """Throughput mode. While nothing waits, the scheduler grants a class of simple jobs
     to the worker it placed the last one on, and publishers send the class's next jobs
     straight to that worker's queue (`scheduler.grants`): no pass per job, and the
     class's backlog queues on the holder as in plain Celery. Revoked, with the queued
     jobs taken back into the pending set, the moment a job waits, another worker could
-    start one of the class, or the holder leaves. Needs a Redis broker that is also the
-    store; off with fair-share weights, and for queues with budgets (docs/scheduling.md)."""
+    start one of the class, the holder leaves, or a job sent under it has waited there
+    `grant_wait_s`. Needs a Redis broker that is also the store; off with fair-share
+    weights, and for queues with budgets (docs/scheduling.md). False: one scheduler
+    decision per job."""
+    grant_wait_s: float = Field(default=1.0, gt=0, le=60)
+    """Longest a job sent under a grant waits on its holder, queued or held at the gate,
+    before it goes back to the scheduler (and the grant ends): a job that waits longer
+    is ordered, annotated and placed by the scheduler as any other."""
     model_registry_access: bool = False
     """Advertise `model_registry_access: true` (§4): this worker can fetch any model version,
     so jobs pinned to a version it has not loaded may run here. Default: only loaded ones."""

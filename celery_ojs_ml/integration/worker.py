@@ -188,7 +188,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
             c.timer.call_repeatedly(s.heartbeat_s, self._heartbeat),
             c.timer.call_repeatedly(s.heartbeat_s, self.tend_leases),
-            c.timer.call_repeatedly(min(1.0, s.max_hold_s / 4), self.expire_holds),
+            c.timer.call_repeatedly(
+                min(1.0, s.max_hold_s / 4, s.grant_wait_s / 4), self.expire_holds
+            ),
         ]
         maintain = getattr(c.pool, "maintain_pool", None)
         if self.prefork and self.caps.gpu_count and maintain is not None:

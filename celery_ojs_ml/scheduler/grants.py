@@ -8,7 +8,9 @@ next jobs to the worker's own queue directly: no admission, no pass and no assig
 per job. The worker's gate still checks the fit and pins devices. The grant ends (the
 leader revokes it and takes the jobs queued under it back into the pending set) as soon
 as a pass has a job that waits, or the holder has a backlog while another worker could
-start the class now, or the holder leaves.
+start the class now, or a job sent under it has waited on the holder longer than
+`ojs_ml_grant_wait_s` (a job that waits longer is the scheduler's to order, annotate and
+place), or the holder leaves.
 
 Only "simple" jobs are granted: their placement depends on nothing but their class
 and the free capacity (no gang, reservation, affinity or anti-affinity rules, labels,
@@ -111,15 +113,18 @@ def grants_after(
     jobs: Mapping[str, PendingJob],
     held: Mapping[str, str],
     blocked: frozenset[str] | None,
+    fleet: Sequence[WorkerState] = (),
 ) -> dict[str, str]:
     """The grants a pass adds, key -> worker: for each grantable class it started jobs
     of, the worker its last job went to, unless that class or worker already holds a
-    grant (`held`, key -> worker) or a waiting job could use that worker (`blocked`, from
-    `contested`; None: every worker). At most one class per worker, so that the jobs
-    queued on a worker never compete with another class's."""
+    grant (`held`, key -> worker), a waiting job could use that worker (`blocked`, from
+    `contested`; None: every worker), or the pass took that worker's last free pool
+    process (`fleet`, as the pass found it: the class's next job would wait there for a
+    process, where the scheduler would start it on another worker). At most one class
+    per worker, so that the jobs queued on a worker never compete with another class's."""
     if blocked is None:
         return {}
-    busy = set(held.values()) | blocked
+    busy = set(held.values()) | blocked | _processes_taken(decision, fleet)
     last: dict[str, str] = {}
     for a in decision.assignments:
         job = jobs.get(a.task_id)
@@ -135,18 +140,35 @@ def grants_after(
     return out
 
 
+def _processes_taken(decision: Decision, fleet: Sequence[WorkerState]) -> set[str]:
+    """Workers (of those that count processes) left without a free pool process by the
+    pass's assignments."""
+    started: dict[str, int] = {}
+    for a in decision.assignments:
+        started[a.worker] = started.get(a.worker, 0) + 1
+    return {
+        w.name
+        for w in fleet
+        if w.free.processes is not None and w.free.processes - started.get(w.name, 0) < 1
+    }
+
+
 def to_revoke(
     held: Mapping[str, str],
     live: Sequence[str],
     backlog: Mapping[str, int],
     room_elsewhere: Mapping[str, bool],
+    stale: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """The grants to end now, key list: the holder left (`live` lacks it), or jobs are
+    """The grants to end now, key list: the holder left (`live` lacks it), jobs are
     queued on the holder (`backlog`, by worker) while another worker could start one of
-    the class now (`room_elsewhere`, by key)."""
+    the class now (`room_elsewhere`, by key), or a job sent under the grant has waited
+    on its holder longer than the grant allows (`stale`, workers)."""
     alive = set(live)
     return [
         key
         for key, worker in held.items()
-        if worker not in alive or (backlog.get(worker, 0) > 0 and room_elsewhere.get(key, False))
+        if worker not in alive
+        or worker in stale
+        or (backlog.get(worker, 0) > 0 and room_elsewhere.get(key, False))
     ]

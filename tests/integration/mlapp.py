@@ -86,8 +86,8 @@ def make_app(broker: str, **conf: Any) -> Celery:
         ojs_ml_assignment_timeout_s=float(os.environ.get("OJS_TEST_ASSIGN_TIMEOUT", "15")),
         ojs_ml_leader_ttl_s=float(os.environ.get("OJS_TEST_LEADER_TTL", "5")),
     )
-    if os.environ.get("OJS_TEST_GRANTS") == "1":  # the whole suite in throughput mode
-        app.conf.ojs_ml_grants = True
+    if os.environ.get("OJS_TEST_GRANTS") == "0":  # the whole suite with a decision per job
+        app.conf.ojs_ml_grants = False
     app.conf.update(json.loads(os.environ.get("OJS_TEST_CONF", "{}")))  # per-test settings
     app.conf.update(conf)
     OJSML(app)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -26,6 +27,7 @@ from tests.integration.test_fleet import (
     _explain,
     _result,
     _results,
+    _started,
     _wait,
     _worker,
 )
@@ -33,7 +35,9 @@ from tests.integration.workers import running
 
 pytestmark = pytest.mark.integration
 
-CONF = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True})
+CONF = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True, "ojs_ml_grant_wait_s": 10})
+"""A long wait bound: these tests end grants by other means (`ojs_ml_grant_wait_s`'s own
+test sets it short)."""
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +95,9 @@ def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted
         ids = [record.apply_async(args=[f"s{n}", 0.1], headers=SPOT).id for n in range(40)]
         _wait(lambda: len(_results(redis_client)) >= 4, 30, "the granted jobs to start")
         seen = _explain(app, ids[-1])  # queued on the holder, not in the pending set
-        assert (seen["state"], seen["worker"]) == ("assigned", "one@test"), seen
-        assert seen["grant"] and seen["ahead"] >= 1 and seen["reason_pending"] is None
+        assert (seen["state"], seen["worker"]) == ("pending", "one@test"), seen
+        assert seen["grant"] and seen["ahead"] >= 1
+        assert "delivered ahead to one@test under its class's grant" in seen["reason_pending"]
         sent = time.time()
         reserved = record.apply_async(args=["reserved", 0.1], headers=RESERVED).id
         _wait(lambda: _result(redis_client, reserved), 30, "the reserved job")
@@ -116,7 +121,14 @@ def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
     the taken ones once the holder has been gone a lease TTL; leases bring back the one
     that was running. Without the restore of the taken ones they would wait for kombu's
     visibility timeout (an hour in the test app) and the 90 s bound would fail."""
-    conf = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_lease_ttl_s": 3, "ojs_ml_grants": True})
+    conf = json.dumps(
+        {
+            "ojs_ml_heartbeat_s": 0.5,
+            "ojs_ml_lease_ttl_s": 3,
+            "ojs_ml_grants": True,
+            "ojs_ml_grant_wait_s": 30,
+        }
+    )
     monkeypatch.setenv("OJS_TEST_CONF", conf)
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
@@ -138,4 +150,67 @@ def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
     results = {r["task_id"]: r for r in _results(redis_client)}
     assert set(ids) <= set(results), "a job was lost"
     assert any(results[t]["worker"].startswith("spare") for t in ids if t not in done_before)
+    app.close()
+
+
+SHORT_WAIT = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grant_wait_s": 1})
+
+
+def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_and_is_annotated(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ojs_ml_grant_wait_s` 1 s: on a 1-GPU holder running a 4 s job (limit 5 s), the next
+    job of the class is sent under the grant and waits at the gate. Once it has waited
+    1 s it goes back to the scheduler, which gives it a `reason_pending` and a
+    `t_estimate` from the running job's limit, as for any waiting job; it then runs
+    once, as an assignment, not under the grant."""
+    monkeypatch.setenv("OJS_TEST_CONF", SHORT_WAIT)
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=SHORT_WAIT)
+    with running([one], store):
+        _warm(app, redis_client, store, "one", SPOT)
+        limit = {**SPOT, "ext_ml_timeout_seconds": 5}
+        blocker = record.apply_async(args=["blocker", 4.0], headers=limit).id
+        _wait(lambda: _started(store, blocker), 20, "the blocker to start")
+        nxt = record.apply_async(args=["next", 0.1], headers=SPOT).id
+
+        def annotated() -> dict[str, Any] | None:
+            seen = _explain(app, nxt)
+            if seen["state"] == "pending" and "grant" not in seen and seen.get("t_estimate"):
+                return seen
+            return None
+
+        seen = _wait(annotated, 15, "the scheduler's annotation of the job taken back")
+        _wait(lambda: _result(redis_client, nxt), 20, "the job taken back")
+    done = {r["task_id"]: r for r in _results(redis_client)}
+    assert seen["reason_pending"], seen
+    assert abs(seen["t_estimate"] - done[nxt]["start"]) <= 2.0, (seen, done[nxt])
+    assert done[blocker]["grant"], "the blocker was meant to run under the grant"
+    assert not done[nxt]["grant"] and done[nxt]["assigned"], done[nxt]
+    app.close()
+
+
+def test_a_granted_backlog_that_outlasts_grant_wait_s_is_taken_back_and_every_job_runs_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """60 jobs of 0.1 s on a 1-GPU holder take 6 s: once the oldest still queued has
+    waited 1 s the leader takes the queue back, and the gate gives back what it held. No
+    job is lost or run twice across the two paths, and both paths ran jobs."""
+    monkeypatch.setenv("OJS_TEST_CONF", SHORT_WAIT)
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    record = app.tasks["ml.record"]
+    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=SHORT_WAIT)
+    with running([one], store):
+        _warm(app, redis_client, store, "one", SPOT)
+        ids = [record.apply_async(args=[f"b{n}", 0.1], headers=SPOT).id for n in range(60)]
+        _wait(lambda: all(_result(redis_client, t) for t in ids), 90, "every job")
+    runs = [r["task_id"] for r in _results(redis_client)]
+    assert sorted(t for t in runs if t in set(ids)) == sorted(ids), "a job was lost or ran twice"
+    done = {r["task_id"]: r for r in _results(redis_client)}
+    assert any(done[t]["grant"] for t in ids), "no job ran under the grant"
+    back = [t for t in ids if done[t]["assigned"]]
+    assert len(back) >= 20, f"only {len(back)} jobs were taken back to the scheduler"
     app.close()

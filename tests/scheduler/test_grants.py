@@ -141,3 +141,23 @@ def test_an_assignment_of_another_class_to_a_holder_ends_its_grant_one_of_its_cl
     assert foreign(_assigned(("b", "w")), jobs, held) == frozenset({"w"})
     assert foreign(_assigned(("a", "w")), jobs, held) == frozenset()
     assert foreign(_assigned(("b", "v")), jobs, held) == frozenset()
+
+
+def test_a_grant_ends_once_a_job_sent_under_it_has_waited_past_the_bound() -> None:
+    """`stale`: the holder's oldest job sent under the grant waited `ojs_ml_grant_wait_s`."""
+    held = {"k1": "a", "k2": "b"}
+    gone = to_revoke(held, ["a", "b"], {"a": 5, "b": 5}, {}, stale=frozenset({"b"}))
+    assert gone == ["k2"]
+
+
+def test_no_grant_goes_to_a_worker_the_pass_left_without_a_free_pool_process() -> None:
+    """The class's next job would wait there in the pool while another worker could start
+    it; where processes are not counted (None) the grant is made."""
+    one, four = worker("one", "nvidia-a100x2", processes=1), worker("four", "nvidia-a100x4")
+    jobs = {"j": job("j", gpu_count=1)}
+    assert grants_after(_assigned(("j", "one")), jobs, {}, frozenset(), [one, four]) == {}
+    assert list(grants_after(_assigned(("j", "four")), jobs, {}, frozenset(), [one, four])) != []
+    two = worker("two", "nvidia-a100x2", processes=2)
+    assert list(grants_after(_assigned(("j", "two")), jobs, {}, frozenset(), [two]).values()) == [
+        "two"
+    ]
