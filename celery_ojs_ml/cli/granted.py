@@ -9,14 +9,10 @@ holder (as a prefetched job is), with how many messages go before it.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ojs_ml.integration.plugin import OJSML
-
-_SCAN_LIMIT = 10_000
-"""Messages read from the head of each holder's queue when looking for a task id."""
 
 
 def _holder_queues(plugin: OJSML) -> dict[str, tuple[str, str]]:
@@ -57,30 +53,15 @@ def render_grants(part: list[dict[str, Any]]) -> str:
 
 
 def find_granted(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
-    """A job published under a grant and still queued on its holder; None if not found."""
-    from celery_ojs_ml.integration import redis_intake
+    """A job published under a grant and still queued on its holder; None if not found
+    (one held at the holder's gate shows in its heartbeat: `fleet_view.locate`)."""
+    from celery_ojs_ml.integration.grants import locate_granted
 
-    holders = _holder_queues(plugin)
-    if not holders:
+    found = locate_granted(plugin, task_id)
+    if found is None or found[2] < 0:
         return None
-    with plugin.app.connection_for_read() as conn:
-        if conn.transport.driver_type != "redis":
-            return None
-        channel = conn.default_channel
-        for queue, (field, worker) in holders.items():
-            ahead = 0
-            for key in redis_intake.queue_keys(channel, queue):
-                items = channel.client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes the right
-                for index, raw in enumerate(items):
-                    try:
-                        headers = json.loads(raw).get("headers") or {}
-                    except (ValueError, AttributeError):
-                        continue
-                    if headers.get("id") == task_id:
-                        before = ahead + len(items) - 1 - index
-                        return _queued(task_id, worker, field, before, plugin)
-                ahead += len(items)
-    return None
+    worker, field, before = found
+    return _queued(task_id, worker, field, before, plugin)
 
 
 def _queued(task_id: str, worker: str, field: str, before: int, plugin: OJSML) -> dict[str, Any]:

@@ -111,6 +111,7 @@ class Advertising(Gate):
                 "task_events": task_events_on(getattr(self, "c", None)),
                 "processes": pool_processes(getattr(self, "c", None)),
                 "plain_running": plain,
+                "granted_started": self.granted_started_at(),
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}

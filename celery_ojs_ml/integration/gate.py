@@ -125,6 +125,7 @@ class Gate(LeaseKeeping, granted.Granted):
         with self.lock:
             outcome = self._try_alloc(req, ml)
             if isinstance(outcome, Allocation):
+                self.granted_started = time.monotonic()
                 return self._dispatch(req, outcome)
             first = isinstance(outcome, Pending) and self.hold_granted(req, outcome)
         if isinstance(outcome, Denied):
@@ -334,12 +335,17 @@ class Gate(LeaseKeeping, granted.Granted):
             self.pump()
 
     def pump(self) -> None:
-        """Start held jobs that fit now, in band, priority and FIFO order."""
+        """Start held jobs that fit now, in band, priority and FIFO order (granted ones
+        only while their grant holds: `recheck_grants`)."""
+        if self.granted_held:
+            self.recheck_grants()
         with self.lock:
             self._pump_due = False
             for alloc in self.allocator.pump():
                 req: Any = alloc.key
                 self.hold_until.pop(req, None)
+                if req in self.granted_held:
+                    self.granted_started = time.monotonic()
                 self._leave_hold(req)
                 if req.revoked():
                     self.allocator.free(req)

@@ -32,7 +32,12 @@ from celery import Celery
 
 from celery_ojs_ml.allocator import Allocator, Pending
 from celery_ojs_ml.integration.assigned import drop, message_of, token_of
-from celery_ojs_ml.integration.grants import HEADER_GRANT, GrantBook, grants_usable
+from celery_ojs_ml.integration.grants import (
+    HEADER_GRANT,
+    HEADER_GRANT_AT,
+    GrantBook,
+    grants_usable,
+)
 from celery_ojs_ml.integration.routing import intake_name, ml_queue
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.store import OJSStore
@@ -72,6 +77,7 @@ class Granted:
     def init_grants(self) -> None:
         """At start: whether grants are used here, and this worker's."""
         self.mine, self.granted_held, self._grants_read_at = {}, set(), 0.0
+        self.granted_started: float | None = None
         self._ended: set[str] = set()
         self._grants_on = grants_usable(self.app)
         self.read_grants()
@@ -112,6 +118,9 @@ class Granted:
     def give_back_granted(self, req: Any, why: str) -> None:
         """Send a granted job to the intake (the leader admits it), then drop this copy."""
         msg = message_of(req)  # without the grant's epoch (a scheduler header)
+        sent = req.request_dict.get(HEADER_GRANT_AT)
+        if sent is not None:  # admitted in its place in first-come order
+            msg["headers"][HEADER_GRANT_AT] = sent
         name = intake_name(self.settings.store_prefix)
         try:
             with self.app.producer_or_acquire() as producer:
@@ -149,15 +158,28 @@ class Granted:
         self.granted_held.add(req)
         return first
 
+    def granted_started_at(self) -> float | None:
+        """When a job sent under a grant last started here (seconds since the epoch), for
+        the heartbeat: the leader takes a holder's queue back once the holder has
+        started none for `ojs_ml_grant_wait_s` while the oldest queued job waited that
+        long. None: none started yet."""
+        if self.granted_started is None:
+            return None
+        return time.time() - (time.monotonic() - self.granted_started)
+
     def expire_granted(self) -> None:
-        """Give back the granted jobs held here longer than `ojs_ml_grant_wait_s` (the
-        scheduler orders, annotates and places a job that waits that long), and those of
-        a grant that ended (read again while any is held)."""
+        """Give back the granted jobs held here longer than `ojs_ml_grant_wait_s` while no
+        granted job started here for as long (the holder is blocked, not draining a
+        burst: the scheduler orders, annotates and places a job that waits on a blocked
+        holder), and those of a grant that ended (read again while any is held)."""
         if not self.granted_held:
             return
         self.read_grants()
         self.return_revoked()
         limit = self.settings.grant_wait_s
+        started = self.granted_started
+        if started is not None and time.monotonic() - started <= limit:
+            return
         with self.lock:
             old = [
                 p
@@ -169,7 +191,7 @@ class Granted:
                 self.granted_held.discard(pending.key)
                 self.hold_until.pop(pending.key, None)
         for pending in old:
-            self.give_back_granted(pending.key, f"waited {self.settings.grant_wait_s:g} s here")
+            self.give_back_granted(pending.key, f"held {limit:g} s here, none started meanwhile")
 
     def return_revoked(self) -> None:
         """Give back the granted jobs held here whose grant ended (after `read_grants`)."""

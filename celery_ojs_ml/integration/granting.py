@@ -162,6 +162,9 @@ class Granting:
         now = time.monotonic()
         for worker in [w for w in self._gone if w in live]:
             del self._gone[worker]
+        if self._granted:  # ended from outside (`grants.end_grants_of`): take jobs back
+            stored = GrantBook(self.store).all()
+            self.revoke_grants([f for f, g in self._granted.items() if stored.get(f) != g])
         if self._granted:
             backlog, stale = self._backlogs(live)
             room = {f: self._room_elsewhere(f, fleet, backlog) for f in self._granted}
@@ -179,7 +182,8 @@ class Granting:
     def _backlogs(self, live: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
         """Jobs waiting on each live holder (queued, or at the worker: `_at_worker`), and
         the holders whose oldest job sent under a grant has waited longer than
-        `ojs_ml_grant_wait_s` (queued here; the gate gives back its own)."""
+        `ojs_ml_grant_wait_s` while the holder started none for as long (`_stalled`;
+        queued here; the gate gives back its own)."""
         holders = sorted({w for w, _ in self._granted.values() if w in live})
         queues = [worker_queue_name(self.settings.store_prefix, w) for w in holders]
         client = self.store.client
@@ -191,7 +195,7 @@ class Granting:
         for worker, queue in zip(holders, queues, strict=True):
             backlog[worker] = counts[queue] + _at_worker(live[worker])
             at = since[queue]
-            if at is not None and at < limit:
+            if at is not None and at < limit and _stalled(live[worker], self.settings.grant_wait_s):
                 stale.add(worker)
         return backlog, frozenset(stale)
 
@@ -246,3 +250,13 @@ def _at_worker(entry: dict[str, Any]) -> int:
         return held
     running = len(snap.get("allocations") or []) + int(info.get("plain_running") or 0)
     return held + max(0, running - processes)
+
+
+def _stalled(entry: dict[str, Any], wait_s: float) -> bool:
+    """Whether a holder's last heartbeat shows it had started no job under a grant for
+    `wait_s` by then: blocked, not draining a burst (one draining when it sent its last
+    heartbeat counts as draining until the next one)."""
+    started = (entry.get("info") or {}).get("granted_started")
+    if not isinstance(started, int | float):
+        return True
+    return float(entry.get("ts") or 0.0) - started > wait_s

@@ -16,6 +16,7 @@ Key decisions:
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -96,3 +97,68 @@ class GrantBook:
         """Forget `fields` (publishers route those classes to the intake again)."""
         if fields:
             self.store.client.hdel(self.key, *fields)
+
+
+_SCAN_LIMIT = 10_000
+"""Messages read from the head of each holder's queue when looking for a task id."""
+
+
+def locate_granted(plugin: Any, task_id: str) -> tuple[str, str, int] | None:
+    """Where a job sent under a grant waits: (holder, grant field, jobs queued before it;
+    -1 when held at the holder's gate), or None. Reads the next `_SCAN_LIMIT` messages of
+    each holder's queue, then the messages workers took and did not acknowledge yet."""
+    from celery_ojs_ml.integration import redis_intake
+    from celery_ojs_ml.integration.routing import worker_queue_name
+
+    grants = plugin.grant_book.all()
+    if not grants:
+        return None
+    prefix = plugin.settings.store_prefix
+    with plugin.app.connection_for_read() as conn:
+        if conn.transport.driver_type != "redis":
+            return None
+        channel = conn.default_channel
+        for field, (worker, _) in sorted(grants.items()):
+            ahead = 0
+            for key in redis_intake.queue_keys(channel, worker_queue_name(prefix, worker)):
+                items = channel.client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes the right
+                for index, raw in enumerate(items):
+                    if _task_id_of(raw) == task_id:
+                        return worker, field, ahead + len(items) - 1 - index
+                ahead += len(items)
+        taken = _taken_by(channel, task_id)  # held at a gate, or waiting in a pool
+    for field, (worker, _) in sorted(grants.items()):
+        if taken == worker_queue_name(prefix, worker):
+            return worker, field, -1
+    return None
+
+
+def _taken_by(channel: Any, task_id: str) -> str | None:
+    """The queue a worker took `task_id` from and has not acknowledged yet (kombu's
+    unacked hash: `[message, exchange, routing key]` by delivery tag), or None."""
+    key = str(getattr(channel, "global_keyprefix", "") or "") + channel.unacked_key
+    for _tag, payload in channel.client.hscan_iter(key, count=1000):
+        try:
+            message, _exchange, routing_key = json.loads(payload)
+        except (ValueError, TypeError):
+            continue
+        if _task_id_of(message) == task_id:
+            return str(routing_key)
+    return None
+
+
+def _task_id_of(raw: Any) -> str | None:
+    try:
+        message = json.loads(raw) if isinstance(raw, str | bytes) else raw
+        found = (message.get("headers") or {}).get("id")
+    except (ValueError, AttributeError, TypeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def end_grants_of(plugin: Any, worker: str) -> None:
+    """End every grant `worker` holds, from outside the leader (RFC 27 prioritize of a job
+    sent under one): the leader notices at its next pass, which this wakes, and takes the
+    holder's queued jobs back; the holder gives back those held at its gate."""
+    book = plugin.grant_book
+    book.revoke([f for f, (w, _) in book.all().items() if w == worker])

@@ -168,8 +168,8 @@ class Intake:
     def _on_message(self, message: Any) -> None:
         """An intake message: a job to admit, or a worker's wake-up."""
         headers = dict(message.headers or {})
-        headers.pop(HEADER_GRANT, None)  # taken back from a grant's holder: admitted afresh
-        headers.pop(HEADER_GRANT_AT, None)
+        headers.pop(HEADER_GRANT, None)  # taken back from a grant's holder: admitted afresh,
+        sent = headers.pop(HEADER_GRANT_AT, None)  # in its place in first-come order
         self._dirty = True
         if HEADER_WAKE in headers:
             self._woken = True
@@ -199,7 +199,10 @@ class Intake:
             "headers": headers,
             "properties": {k: props[k] for k in _PROPERTIES if props.get(k) is not None},
         }
-        self._intake.append((task_id, self._meta(headers, props), msg, message))
+        meta = self._meta(headers, props)
+        if isinstance(sent, int | float) and not isinstance(sent, bool) and sent > 0:
+            meta["submitted_at"] = min(float(sent), meta["submitted_at"])
+        self._intake.append((task_id, meta, msg, message))
 
     def _refuse(self, task_id: str, headers: dict[str, Any], body: bytes, reason: str) -> None:
         """An intake message no worker may run: dead-letter it and fail it, with the reason."""

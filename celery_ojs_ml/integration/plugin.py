@@ -22,7 +22,13 @@ from celery import Celery, signals
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
-from celery_ojs_ml.integration.grants import GrantBook, grants_usable, queue_grantable
+from celery_ojs_ml.integration.grants import (
+    GrantBook,
+    end_grants_of,
+    grants_usable,
+    locate_granted,
+    queue_grantable,
+)
 from celery_ojs_ml.integration.routing import (
     HEADER_BAND,
     HEADER_CLASS,
@@ -41,6 +47,8 @@ from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger(__name__)
 _LIVE_CACHE_S = 1.0
+_TAKE_BACK_S = 5.0
+"""How long `prioritize` waits for the leader to take back a job sent under a grant."""
 _ROUTED = threading.local()
 """The plugin that routed the message being published on this thread (router -> publish)."""
 
@@ -252,17 +260,37 @@ class OJSML(Submitting):
         from celery_ojs_ml.pending import ASSIGNED, PendingBook
 
         book = PendingBook(self.store)
-        changed = book.prioritize(task_id, priority)
-        if not changed:
+
+        def reorder() -> bool:
+            if book.prioritize(task_id, priority):
+                return True
             record = book.get(task_id) or {}
             token = record.get("token")
             if record.get("state") == ASSIGNED and token:
                 why = f"prioritized to {int(priority)}: placed again in its new order"
                 if book.take_back(task_id, str(token), why, cool=False):
-                    changed = book.prioritize(task_id, priority)
+                    return book.prioritize(task_id, priority)
+            return False
+
+        changed = reorder() or self._reorder_granted(task_id, reorder)
         if changed:
             self._wake()
         return changed
+
+    def _reorder_granted(self, task_id: str, reorder: Any) -> bool:
+        """A job sent under a grant (`integration.grants`): end its holder's grants, so
+        the leader takes it back, then reorder it once it waits in the pending set."""
+        found = locate_granted(self, task_id) if grants_usable(self.app) else None
+        if found is None:
+            return False
+        end_grants_of(self, found[0])
+        self._wake()
+        deadline = time.monotonic() + _TAKE_BACK_S
+        while time.monotonic() < deadline:
+            if reorder():
+                return True
+            time.sleep(0.05)
+        return False
 
     def cancel(self, task_id: str) -> bool:
         """RFC 27 cancel: drop a job no worker has started and revoke it; False if not waiting."""

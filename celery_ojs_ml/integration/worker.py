@@ -189,7 +189,7 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             c.timer.call_repeatedly(s.heartbeat_s, self._heartbeat),
             c.timer.call_repeatedly(s.heartbeat_s, self.tend_leases),
             c.timer.call_repeatedly(
-                min(1.0, s.max_hold_s / 4, s.grant_wait_s / 4), self.expire_holds
+                min(0.25, s.max_hold_s / 4, s.grant_wait_s / 4), self.expire_holds
             ),
         ]
         maintain = getattr(c.pool, "maintain_pool", None)
