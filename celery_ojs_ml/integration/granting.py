@@ -189,13 +189,13 @@ class Granting:
         client = self.store.client
         counts = redis_intake.backlog(client, self._direct, queues)
         since = redis_intake.oldest(client, self._direct, queues, HEADER_GRANT_AT)
-        limit = time.time() - self.settings.grant_wait_s
+        wait_s = self.settings.grant_wait_s
         backlog: dict[str, int] = {}
         stale: set[str] = set()
         for worker, queue in zip(holders, queues, strict=True):
             backlog[worker] = counts[queue] + _at_worker(live[worker])
             at = since[queue]
-            if at is not None and at < limit and _stalled(live[worker], self.settings.grant_wait_s):
+            if at is not None and _stalled(live[worker], at, wait_s):
                 stale.add(worker)
         return backlog, frozenset(stale)
 
@@ -252,11 +252,13 @@ def _at_worker(entry: dict[str, Any]) -> int:
     return held + max(0, running - processes)
 
 
-def _stalled(entry: dict[str, Any], wait_s: float) -> bool:
-    """Whether a holder's last heartbeat shows it had started no job under a grant for
-    `wait_s` by then: blocked, not draining a burst (one draining when it sent its last
-    heartbeat counts as draining until the next one)."""
+def _stalled(entry: dict[str, Any], oldest: float, wait_s: float) -> bool:
+    """Whether a holder's last heartbeat shows it blocked: sent `wait_s` after the oldest
+    waiting job's publish (`oldest`), with no job started under a grant for `wait_s` by
+    then. One heartbeat is the evidence for both: an older one, from before the jobs
+    came, says nothing about whether the holder drains them."""
+    ts = float(entry.get("ts") or 0.0)
+    if ts - oldest <= wait_s:
+        return False
     started = (entry.get("info") or {}).get("granted_started")
-    if not isinstance(started, int | float):
-        return True
-    return float(entry.get("ts") or 0.0) - started > wait_s
+    return not isinstance(started, int | float) or ts - started > wait_s
