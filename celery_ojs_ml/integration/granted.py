@@ -73,11 +73,13 @@ class Granted:
     _ended: set[str]
     _grants_read_at: float
     _grants_on: bool
+    _hold_woke: float
 
     def init_grants(self) -> None:
         """At start: whether grants are used here, and this worker's."""
         self.mine, self.granted_held, self._grants_read_at = {}, set(), 0.0
         self.granted_started: float | None = None
+        self._hold_woke = -1e9
         self._ended: set[str] = set()
         self._grants_on = grants_usable(self.app)
         self.read_grants()
@@ -151,12 +153,18 @@ class Granted:
 
     def hold_granted(self, req: Any, outcome: Pending) -> bool:
         """Hold a granted job that does not fit yet, inside Celery's prefetch limit; True
-        when it is the only one held here (the caller then wakes the leader: a holder
-        with a backlog may be revoked where another worker has room)."""
+        when it is the only one held here and no such hold woke the leader within
+        `ojs_ml_scheduler_interval_s` (the caller then wakes it: a holder with a backlog
+        may be revoked where another worker has room; a burst whose holds come and go
+        job by job wakes it at most that often, not once per job)."""
         self.allocator.hold(outcome)
         first = not self.granted_held
         self.granted_held.add(req)
-        return first
+        now = time.monotonic()
+        if not first or now - self._hold_woke < self.settings.scheduler_interval_s:
+            return False
+        self._hold_woke = now
+        return True
 
     def granted_started_at(self) -> float | None:
         """When a job sent under a grant last started here (seconds since the epoch), for
