@@ -48,6 +48,9 @@ from celery_ojs_ml.store import OJSStore
 log = logging.getLogger(__name__)
 _LIVE_CACHE_S = 1.0
 _TAKE_BACK_S = 5.0
+_IN_FLIGHT_S = 0.5
+"""How long `prioritize` looks again for a job it finds nowhere (a message a worker has
+popped off its queue is in no list until kombu records it as unacknowledged)."""
 """How long `prioritize` waits for the leader to take back a job sent under a grant."""
 _ROUTED = threading.local()
 """The plugin that routed the message being published on this thread (router -> publish)."""
@@ -280,9 +283,17 @@ class OJSML(Submitting):
     def _reorder_granted(self, task_id: str, reorder: Any) -> bool:
         """A job sent under a grant (`integration.grants`): end its holder's grants, so
         the leader takes it back, then reorder it once it waits in the pending set."""
-        found = locate_granted(self, task_id) if grants_usable(self.app) else None
-        if found is None:
+        if not grants_usable(self.app):
             return False
+        found = locate_granted(self, task_id)
+        seek = time.monotonic() + _IN_FLIGHT_S
+        while found is None:  # between a worker's BRPOP and kombu's unacked entry?
+            if reorder():
+                return True
+            if time.monotonic() > seek:
+                return False
+            time.sleep(0.05)
+            found = locate_granted(self, task_id)
         end_grants_of(self, found[0])
         self._wake()
         deadline = time.monotonic() + _TAKE_BACK_S
