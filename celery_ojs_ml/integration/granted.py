@@ -12,8 +12,13 @@ Key decisions:
   revoked grant costs that job a hop (and its submit time), never its run.
 * A granted job that does not fit yet waits at the gate inside Celery's own prefetch
   limit (plain Celery's behaviour: the prefork pool takes what it prefetched as
-  processes free up), not beside it as an assignment held ahead does; one held longer
-  than `ojs_ml_max_hold_s` is given back to the intake.
+  processes free up), not beside it as an assignment held ahead does. The first such
+  hold wakes the leader (at most every `ojs_ml_scheduler_interval_s`), which may end
+  the grant where another worker has room. One held `ojs_ml_grant_wait_s` while no
+  granted job started here for as long (the holder is blocked, not draining) is given
+  back to the intake, and the scheduler orders, annotates and places it; so is one of
+  a grant that ended (grants are read again every tick while any is held, and before
+  the pump starts one).
 * A granted job's end does not wake the leader while the grant holds and nothing else
   waits at this gate: nothing waits in the fleet either (a grant lives only while
   nothing does), and the next job of the class is already on its way here. That wake-up
