@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_ojs_ml.integration.grants import GrantBook
 from celery_ojs_ml.store import OJSStore
@@ -58,6 +61,28 @@ def _warm(app: object, client: redis.Redis, store: OJSStore, worker: str, header
     _wait(lambda: _granted_to(store, worker), 10, f"a grant to {worker}")
 
 
+@contextmanager
+def _holder(
+    conf: str,
+    redis_url: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[Celery, OJSStore]]:
+    """A 1-GPU `-c 2` worker `one` that holds the grant of the spot class, with settings
+    `conf` (the publisher's app too); the app is closed afterwards."""
+    monkeypatch.setenv("OJS_TEST_CONF", conf)
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=conf)
+    try:
+        with running([one], store):
+            _warm(app, redis_client, store, "one", SPOT)
+            yield app, store
+    finally:
+        app.close()
+
+
 def test_jobs_of_a_granted_class_go_straight_to_the_holder_and_each_runs_once(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -85,13 +110,8 @@ def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted
     its queue; the rest are taken back to the intake when the grant ends. So at most 9
     granted jobs start after it is published and before it; with the grant kept, all 40
     would."""
-    monkeypatch.setenv("OJS_TEST_CONF", CONF)
-    store = OJSStore(redis_client, prefix="ojs")
-    app = make_app(redis_url)
-    record = app.tasks["ml.record"]
-    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=CONF)
-    with running([one], store):
-        _warm(app, redis_client, store, "one", SPOT)
+    with _holder(CONF, redis_url, redis_client, tmp_path, monkeypatch) as (app, store):
+        record = app.tasks["ml.record"]
         ids = [record.apply_async(args=[f"s{n}", 0.1], headers=SPOT).id for n in range(40)]
         _wait(lambda: len(_results(redis_client)) >= 4, 30, "the granted jobs to start")
         seen = _explain(app, ids[-1])  # queued on the holder, not in the pending set
@@ -110,7 +130,6 @@ def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted
     back = [t for t in ids if results[t]["assigned"]]  # taken back, then assigned by the leader
     assert len(back) >= 40 - 9 - 4, f"only {len(back)} granted jobs were taken back"
     assert not any(results[t]["grant"] for t in back)
-    app.close()
 
 
 def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
@@ -153,7 +172,9 @@ def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
     app.close()
 
 
-SHORT_WAIT = json.dumps({"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grant_wait_s": 1})
+SHORT_WAIT = json.dumps(
+    {"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True, "ojs_ml_grant_wait_s": 1}
+)
 
 
 def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_and_is_annotated(
@@ -164,13 +185,8 @@ def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_a
     1 s it goes back to the scheduler, which gives it a `reason_pending` and a
     `t_estimate` from the running job's limit, as for any waiting job; it then runs
     once, as an assignment, not under the grant."""
-    monkeypatch.setenv("OJS_TEST_CONF", SHORT_WAIT)
-    store = OJSStore(redis_client, prefix="ojs")
-    app = make_app(redis_url)
-    record = app.tasks["ml.record"]
-    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=SHORT_WAIT)
-    with running([one], store):
-        _warm(app, redis_client, store, "one", SPOT)
+    with _holder(SHORT_WAIT, redis_url, redis_client, tmp_path, monkeypatch) as (app, store):
+        record = app.tasks["ml.record"]
         limit = {**SPOT, "ext_ml_timeout_seconds": 5}
         blocker = record.apply_async(args=["blocker", 4.0], headers=limit).id
         _wait(lambda: _started(store, blocker), 20, "the blocker to start")
@@ -189,7 +205,6 @@ def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_a
     assert abs(seen["t_estimate"] - done[nxt]["start"]) <= 2.0, (seen, done[nxt])
     assert done[blocker]["grant"], "the blocker was meant to run under the grant"
     assert not done[nxt]["grant"] and done[nxt]["assigned"], done[nxt]
-    app.close()
 
 
 def test_a_holder_draining_a_burst_longer_than_grant_wait_s_keeps_its_grant(
@@ -198,13 +213,8 @@ def test_a_holder_draining_a_burst_longer_than_grant_wait_s_keeps_its_grant(
     """60 jobs of 0.05 s on a 1-GPU holder take about 3 s, three times the bound; jobs
     keep starting there, so the holder is draining, not blocked: every job runs under
     the grant, once."""
-    monkeypatch.setenv("OJS_TEST_CONF", SHORT_WAIT)
-    store = OJSStore(redis_client, prefix="ojs")
-    app = make_app(redis_url)
-    record = app.tasks["ml.record"]
-    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=SHORT_WAIT)
-    with running([one], store):
-        _warm(app, redis_client, store, "one", SPOT)
+    with _holder(SHORT_WAIT, redis_url, redis_client, tmp_path, monkeypatch) as (app, _store):
+        record = app.tasks["ml.record"]
         ids = [record.apply_async(args=[f"b{n}", 0.05], headers=SPOT).id for n in range(60)]
         _wait(lambda: all(_result(redis_client, t) for t in ids), 90, "every job")
     done = {r["task_id"]: r for r in _results(redis_client)}
@@ -212,7 +222,6 @@ def test_a_holder_draining_a_burst_longer_than_grant_wait_s_keeps_its_grant(
     assert last > 1.0, f"the burst drained in {last:.2f} s: not longer than the bound"
     back = [t for t in ids if not done[t]["grant"]]
     assert not back, f"{len(back)} jobs were taken back from a draining holder"
-    app.close()
 
 
 def test_a_holder_blocked_past_grant_wait_s_loses_its_backlog_and_every_job_runs_once(
@@ -222,13 +231,8 @@ def test_a_holder_blocked_past_grant_wait_s_loses_its_backlog_and_every_job_runs
     started there for the bound, the leader takes the queue back and the gate gives back
     what it held; the scheduler runs them. No job is lost or run twice across the two
     paths."""
-    monkeypatch.setenv("OJS_TEST_CONF", SHORT_WAIT)
-    store = OJSStore(redis_client, prefix="ojs")
-    app = make_app(redis_url)
-    record = app.tasks["ml.record"]
-    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=SHORT_WAIT)
-    with running([one], store):
-        _warm(app, redis_client, store, "one", SPOT)
+    with _holder(SHORT_WAIT, redis_url, redis_client, tmp_path, monkeypatch) as (app, _store):
+        record = app.tasks["ml.record"]
         work = [("s0", 0.05), ("s1", 0.05), ("long", 3.0)] + [(f"b{n}", 0.05) for n in range(40)]
         ids = [record.apply_async(args=[tag, t], headers=SPOT).id for tag, t in work]
         _wait(lambda: all(_result(redis_client, t) for t in ids), 90, "every job")
@@ -238,7 +242,6 @@ def test_a_holder_blocked_past_grant_wait_s_loses_its_backlog_and_every_job_runs
     assert done[ids[2]]["grant"], "the long job was meant to run under the grant"
     back = [t for t in ids[3:] if done[t]["assigned"]]
     assert len(back) >= 30, f"only {len(back)} of 40 jobs were taken back from a blocked holder"
-    app.close()
 
 
 def test_prioritize_reaches_a_job_sent_under_a_grant_and_moves_it_ahead(
@@ -252,13 +255,8 @@ def test_prioritize_reaches_a_job_sent_under_a_grant_and_moves_it_ahead(
 
     from celery_ojs_ml.cli.main import cli
 
-    monkeypatch.setenv("OJS_TEST_CONF", CONF)
-    store = OJSStore(redis_client, prefix="ojs")
-    app = make_app(redis_url)
-    record = app.tasks["ml.record"]
-    one = _worker("one", redis_url, "nvidia-a100x1", tmp_path, conc=2, OJS_TEST_CONF=CONF)
-    with running([one], store):
-        _warm(app, redis_client, store, "one", SPOT)
+    with _holder(CONF, redis_url, redis_client, tmp_path, monkeypatch) as (app, store):
+        record = app.tasks["ml.record"]
         blocker = record.apply_async(args=["blocker", 2.0], headers=SPOT).id
         _wait(lambda: _started(store, blocker), 20, "the blocker to start")
         first, second, last = (record.apply_async(args=[t, 0.1], headers=SPOT).id for t in "abc")
@@ -270,4 +268,3 @@ def test_prioritize_reaches_a_job_sent_under_a_grant_and_moves_it_ahead(
     by_id = {r["task_id"]: r for r in _results(redis_client)}
     assert by_id[blocker]["grant"] and not by_id[last]["grant"], by_id[last]
     assert by_id[last]["start"] < by_id[first]["start"] < by_id[second]["start"]
-    app.close()
