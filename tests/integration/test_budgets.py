@@ -54,6 +54,12 @@ def test_a_queue_never_holds_more_gpus_than_its_budget_and_other_queues_are_not_
     app = make_app(redis_url, ojs_ml_queue_policies=POLICIES)
     record = app.tasks["ml.record"]
     with running([worker], store):
+        # The bound is on budgets, not on the election: a leader slow to start under
+        # load (2.2 s once in `make test`) delayed every job alike and failed it.
+        deadline = time.monotonic() + 20
+        while PendingBook(store).leader() is None:
+            assert time.monotonic() < deadline, "no scheduler was elected"
+            time.sleep(0.05)
         train = [record.apply_async(args=[f"t{i}", 2.0], queue="train").id for i in range(6)]
         time.sleep(0.5)
         other_sent = time.time()
