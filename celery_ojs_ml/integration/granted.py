@@ -187,33 +187,32 @@ class Granted:
         holder), and those of a grant that ended (read again while any is held)."""
         if not self.granted_held:
             return
-        self.read_grants()
-        self.return_revoked()
+        self.recheck_grants()
         limit = self.settings.grant_wait_s
         started = self.granted_started
         if started is not None and time.monotonic() - started <= limit:
             return
         with self.lock:
             old = [
-                p
+                p.key
                 for p in self.allocator.held()
                 if p.key in self.granted_held and self.allocator.waited(p) > limit
             ]
-            for pending in old:
-                self.allocator.cancel(pending.key)
-                self.granted_held.discard(pending.key)
-                self.hold_until.pop(pending.key, None)
-        for pending in old:
-            self.give_back_granted(pending.key, f"held {limit:g} s here, none started meanwhile")
+        self._give_back_held(old, f"held {limit:g} s here, none started meanwhile")
 
     def return_revoked(self) -> None:
         """Give back the granted jobs held here whose grant ended (after `read_grants`)."""
         current = set(self.mine.values())
         with self.lock:
             gone = [r for r in self.granted_held if epoch_of(r) not in current]
-            for req in gone:
+        self._give_back_held(gone, "its class's grant ended")
+
+    def _give_back_held(self, reqs: list[Any], why: str) -> None:
+        """Stop holding these granted jobs and give them back to the intake."""
+        with self.lock:
+            for req in reqs:
                 self.allocator.cancel(req)
                 self.granted_held.discard(req)
                 self.hold_until.pop(req, None)
-        for req in gone:
-            self.give_back_granted(req, "its class's grant ended")
+        for req in reqs:
+            self.give_back_granted(req, why)

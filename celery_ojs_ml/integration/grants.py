@@ -148,11 +148,9 @@ def _taken_by(channel: Any, task_id: str) -> str | None:
 
 
 def _task_id_of(raw: Any) -> str | None:
-    try:
-        message = json.loads(raw) if isinstance(raw, str | bytes) else raw
-        found = (message.get("headers") or {}).get("id")
-    except (ValueError, AttributeError, TypeError):
-        return None
+    from celery_ojs_ml.integration.redis_intake import header_of
+
+    found = header_of(raw, "id")
     return found if isinstance(found, str) else None
 
 

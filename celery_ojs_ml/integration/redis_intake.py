@@ -177,13 +177,20 @@ def oldest(
 
 
 def _header_of(payload: Any, header: str) -> float | None:
+    value = header_of(payload, header)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def header_of(payload: Any, header: str) -> Any:
+    """A header of a kombu message, given as its JSON text or already decoded; None when
+    absent or unreadable."""
     if payload is None:
         return None
     try:
-        value = (json.loads(payload).get("headers") or {}).get(header)
+        message = json.loads(payload) if isinstance(payload, str | bytes) else payload
+        return (message.get("headers") or {}).get(header)
     except (ValueError, TypeError, AttributeError):
         return None
-    return float(value) if isinstance(value, int | float) else None
 
 
 def supports(channel: Any) -> bool:
