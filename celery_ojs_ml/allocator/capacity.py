@@ -100,6 +100,8 @@ class RunningBook:
         """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
         self._pools: dict[str, Demand] = {}
         """Dynamic reservations held here: id -> the capacity carved out for it (§8.3)."""
+        self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, Assessment]] = {}
+        """Memo of `_assess_now`: (request id, capacity shape) -> the request and its verdict."""
 
     def free_capacity(self) -> FreeCapacity:
         """What is free now, for matching and the subscription."""
@@ -205,6 +207,40 @@ class RunningBook:
         rivals = [p for p in ahead if pool_of(p.req.ext_ml_reservation_id, self._pools) == pool]
         why = blocker(want, free, rivals)
         return Assessment(Verdict.WAIT, (), why) if why else Assessment(Verdict.FITS, (), "")
+
+    def _assess_now(self, req: MLRequirements) -> Assessment:
+        """`_assess(req, ())`, memoised on the request and the capacity shape.
+
+        With nothing held ahead the answer depends only on the request, the
+        worker's totals and the running jobs' shapes, so a worker starting
+        alike jobs matches each (request, shape) once. The cache keeps the
+        request object alive, so its `id` cannot be reused while cached.
+        """
+        if self._pools or wants_peers(req, self._peers):  # device sets matter, not counts alone
+            return self._assess(req, ())
+        key = (id(req), self._shape_now())
+        hit = self._assessed.get(key)
+        if hit is not None and hit[0] is req:
+            return hit[1]
+        seen = self._assess(req, ())
+        if len(self._assessed) >= ASSESSED_MAX:
+            self._assessed.clear()
+        self._assessed[key] = (req, seen)
+        return seen
+
+    def _assess_behind(self, req: MLRequirements, ahead: Sequence[Pending]) -> Assessment:
+        """`_assess(req, ahead)`: the memoised verdict against what is free (`_assess_now`),
+        then the backfill rule against the held requests `ahead` when that verdict fits.
+        The reasons never depend on `ahead`; only whether a fitting request must wait."""
+        if not ahead:
+            return self._assess_now(req)
+        if self._pools or gpu_share(req) is not None or wants_peers(req, self._peers):
+            return self._assess(req, ahead)
+        seen = self._assess_now(req)
+        if seen.verdict is not Verdict.FITS:
+            return seen
+        why = blocker(Demand.of(req), self._free(()), ahead)  # no pools: every one a rival
+        return Assessment(Verdict.WAIT, (), why) if why else seen
 
     def _taken(self, released: Collection[Allocation]) -> set[int]:
         gone = {a.key for a in released}

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from celery_ojs_ml.allocator.capacity import ASSESSED_MAX, Assessment, RunningBook, RunningJob
+from celery_ojs_ml.allocator.capacity import RunningBook, RunningJob
 from celery_ojs_ml.allocator.choice import choose_whole, linked, wants_peers
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
@@ -72,8 +72,6 @@ class Allocator(RunningBook):
         self._held: dict[Hashable, Pending] = {}
         self._seq: dict[Hashable, int] = {}
         self._counter = itertools.count()
-        self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, Assessment]] = {}
-        """Memo of `_assess_now`: (request id, `capacity_key`) -> the request and its verdict."""
 
     def set_pools(self, pools: Mapping[str, Demand]) -> None:
         """Hold exactly these reservations (`allocator.pools`); others end here."""
@@ -109,7 +107,7 @@ class Allocator(RunningBook):
         band, now = band_of(req), self._clock()
         mine = (-rank(band), -priority, now)
         ahead = [p for p in self.held() if self._order(p)[:3] <= mine] if self._held else []
-        seen = self._assess(req, ahead) if ahead else self._assess_now(req)
+        seen = self._assess_behind(req, ahead)
         if seen.verdict is Verdict.NEVER:
             return Denied(key, task_id, seen.why, seen.reasons)
         if seen.verdict is Verdict.WAIT:
@@ -119,7 +117,7 @@ class Allocator(RunningBook):
     def hold(self, pending: Pending) -> None:
         """Queue a request by band, then priority (higher first), then FIFO by `since`."""
         self._check_new(pending.key)
-        seen = self._assess(pending.req, ())
+        seen = self._assess_now(pending.req)
         if seen.verdict is Verdict.NEVER:
             raise AllocatorError(
                 f"task {pending.task_id} can never run on this worker ({seen.why}); "
@@ -219,7 +217,7 @@ class Allocator(RunningBook):
                 pending.reason = same[1]
                 ahead.append(pending)
                 continue
-            seen = self._assess(pending.req, ahead)
+            seen = self._assess_behind(pending.req, ahead)
             if seen.verdict is Verdict.FITS:
                 self.cancel(pending.key)
                 started.append(self._start(pending))
@@ -321,26 +319,6 @@ class Allocator(RunningBook):
     def _candidates(self, band: str) -> list[Allocation]:
         allow = self._allow_on_demand
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
-
-    def _assess_now(self, req: MLRequirements) -> Assessment:
-        """`_assess(req, ())`, memoised on the request and the capacity shape.
-
-        With nothing held ahead the answer depends only on the request, the
-        worker's totals and what `capacity_key` describes, so a worker starting
-        alike jobs matches each (request, shape) once. The cache keeps the
-        request object alive, so its `id` cannot be reused while cached.
-        """
-        if self._pools or wants_peers(req, self._peers):  # device sets matter, not counts alone
-            return self._assess(req, ())
-        key = (id(req), self.capacity_key())
-        hit = self._assessed.get(key)
-        if hit is not None and hit[0] is req:
-            return hit[1]
-        seen = self._assess(req, ())
-        if len(self._assessed) >= ASSESSED_MAX:
-            self._assessed.clear()
-        self._assessed[key] = (req, seen)
-        return seen
 
     def _devices(
         self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]

@@ -20,6 +20,7 @@ import json
 import uuid
 from typing import Any
 
+from celery_ojs_ml.integration.grant_watch import GrantWatch
 from celery_ojs_ml.store import OJSStore
 
 HEADER_GRANT = "ojs_grant"
@@ -64,11 +65,21 @@ class GrantBook:
     def __init__(self, store: OJSStore) -> None:
         self.store = store
         self.key = store.key("grants")
+        self._watch: GrantWatch | None = None
 
     def lookup(self, field: str) -> tuple[str, str] | None:
-        """(worker, epoch) of the grant for `field`, or None (one round trip)."""
-        raw = self.store.client.hget(self.key, field)
+        """(worker, epoch) of the grant for `field`, or None: from a copy of the hash that
+        Redis invalidates (`integration.grant_watch`), else one HGET."""
+        if self._watch is None:
+            self._watch = GrantWatch(self.store.client, self.key)
+        known, value = self._watch.lookup(field)
+        raw: Any = value if known else self.store.client.hget(self.key, field)
         return None if raw is None else _split(raw)
+
+    def close(self) -> None:
+        """Close the lookup's watch connection, if one was opened."""
+        if self._watch is not None:
+            self._watch.close()
 
     def all(self) -> dict[str, tuple[str, str]]:
         """Every grant: field -> (worker, epoch)."""
