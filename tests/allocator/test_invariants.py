@@ -47,6 +47,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.clock = FakeClock()
         self.a = Allocator(CAPS, clock=self.clock, reserve_cpu=0)
         self.n = 0
+        self.seen: list[MLRequirements] = []
 
     def _new_key(self) -> str:
         self.n += 1
@@ -56,6 +57,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def submit(self, req: MLRequirements, priority: int, keep: bool) -> None:
         key = self._new_key()
         before = self.a.held()
+        self.seen.append(req)
         result = self.a.try_alloc(key, key, req, priority=priority)
         if isinstance(result, Allocation):
             assert_is_what_was_asked(result, req)
@@ -66,6 +68,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.a.hold(result)
         else:
             assert isinstance(result, Pending | Denied)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data(), priority=st.integers(0, 3))
+    def submit_the_same_request_again(self, data: st.DataObject, priority: int) -> None:
+        """The live gate passes one request object per kind of job (the admission's
+        memo): the memoised verdicts are keyed on it."""
+        req = data.draw(st.sampled_from(self.seen))
+        key = self._new_key()
+        result = self.a.try_alloc(key, key, req, priority=priority)
+        if isinstance(result, Pending):
+            self.a.hold(result)
 
     @precondition(lambda self: self.a.allocations())
     @rule(data=st.data())
@@ -125,6 +138,16 @@ class AllocatorMachine(RuleBasedStateMachine):
             32 - used.cpu_cores,
             256 - used.memory_gb,
         )
+
+    @invariant()
+    def the_memoised_verdict_behind_held_jobs_is_the_full_assessment(self) -> None:
+        """`_assess_behind` (memo plus the backfill rule) answers as `_assess` does."""
+        queue = self.a.held()
+        for i, pending in enumerate(queue):
+            for req in (pending.req, *self.seen[-3:]):
+                fast = self.a._assess_behind(req, queue[:i])
+                full = self.a._assess(req, queue[:i])
+                assert (fast.verdict, fast.why) == (full.verdict, full.why)
 
     @invariant()
     def the_capacity_key_counts_the_running_jobs_by_shape(self) -> None:
