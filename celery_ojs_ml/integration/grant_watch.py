@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 _RETRY_S = 5.0
 """After a failure, how long lookups read the store before the watch connects again."""
 _SOCKET_TIMEOUT_S = 1.0
+CLIENT_NAME = "ojs-ml-grant-watch"
+"""The watch connection's name in `CLIENT LIST`."""
 
 
 class GrantWatch:
@@ -96,6 +98,8 @@ class GrantWatch:
         conn = pool.connection_class(**kwargs)
         conn.connect()
         try:
+            conn.send_command("CLIENT", "SETNAME", CLIENT_NAME)
+            conn.read_response()
             if str(getattr(conn, "protocol", 2)) == "3":  # invalidations come as pushes
                 conn.send_command("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", self._key)
                 conn.read_response()

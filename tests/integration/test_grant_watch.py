@@ -14,7 +14,8 @@ import fakeredis
 import pytest
 import redis
 
-from celery_ojs_ml.integration.grant_watch import GrantWatch
+from celery_ojs_ml.integration import grant_watch
+from celery_ojs_ml.integration.grant_watch import CLIENT_NAME, GrantWatch
 from celery_ojs_ml.integration.grants import GrantBook
 from celery_ojs_ml.store import OJSStore
 
@@ -65,12 +66,14 @@ def test_a_write_to_another_key_does_not_drop_the_copy(
 
 
 def test_a_killed_watch_connection_falls_back_to_the_store_and_never_answers_stale(
-    watch: GrantWatch, redis_client: redis.Redis
+    watch: GrantWatch, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(grant_watch, "_RETRY_S", 0.0)  # reconnect at the next lookup
     redis_client.hset(KEY, "f", "w\tE1")
     assert watch.lookup("f") == (True, "w\tE1")
-    redis_client.client_kill_filter(_type="pubsub")  # the RESP2 watch
-    redis_client.execute_command("CLIENT", "KILL", "SKIPME", "yes")  # and every other
+    watching = [c for c in redis_client.client_list() if c["name"] == CLIENT_NAME]
+    assert len(watching) == 1
+    redis_client.client_kill(watching[0]["addr"])  # only it: other tests share the server
     redis_client.hset(KEY, "f", "w\tE2")
     known, value = watch.lookup("f")
     assert (known, value) in {(False, None), (True, "w\tE2")}
@@ -78,6 +81,10 @@ def test_a_killed_watch_connection_falls_back_to_the_store_and_never_answers_sta
     book = GrantBook(store)
     book._watch = watch  # the book reads the store while the watch steps aside
     assert book.lookup("f") == ("w", "E2")
+    watch.lookup("f")  # connects again: no retry delay here
+    redis_client.hset(KEY, "f", "w\tE3")
+    assert watch.lookup("f") == (True, "w\tE3")
+    assert [c["name"] for c in redis_client.client_list()].count(CLIENT_NAME) == 1
 
 
 def test_a_forked_child_opens_its_own_watch(watch: GrantWatch, redis_client: redis.Redis) -> None:
