@@ -71,9 +71,9 @@ def test_a_killed_watch_connection_falls_back_to_the_store_and_never_answers_sta
     monkeypatch.setattr(grant_watch, "_RETRY_S", 0.0)  # reconnect at the next lookup
     redis_client.hset(KEY, "f", "w\tE1")
     assert watch.lookup("f") == (True, "w\tE1")
-    watching = [c for c in redis_client.client_list() if c["name"] == CLIENT_NAME]
-    assert len(watching) == 1
-    redis_client.client_kill(watching[0]["addr"])  # only it: other tests share the server
+    mine = _addr(watch)
+    assert _named(redis_client).get(mine) == CLIENT_NAME
+    redis_client.client_kill(mine)  # only it: other tests share the server
     redis_client.hset(KEY, "f", "w\tE2")
     known, value = watch.lookup("f")
     assert (known, value) in {(False, None), (True, "w\tE2")}
@@ -84,7 +84,18 @@ def test_a_killed_watch_connection_falls_back_to_the_store_and_never_answers_sta
     watch.lookup("f")  # connects again: no retry delay here
     redis_client.hset(KEY, "f", "w\tE3")
     assert watch.lookup("f") == (True, "w\tE3")
-    assert [c["name"] for c in redis_client.client_list()].count(CLIENT_NAME) == 1
+    named = _named(redis_client)
+    assert mine not in named and named.get(_addr(watch)) == CLIENT_NAME
+
+
+def _addr(watch: GrantWatch) -> str:
+    """The watch connection's address as the server lists it (`CLIENT LIST` addr)."""
+    host, port = watch._conn._sock.getsockname()[:2]
+    return f"{host}:{port}"
+
+
+def _named(client: redis.Redis) -> dict[str, str]:
+    return {c["addr"]: c["name"] for c in client.client_list()}
 
 
 def test_a_forked_child_opens_its_own_watch(watch: GrantWatch, redis_client: redis.Redis) -> None:
