@@ -20,7 +20,7 @@ from celery_ojs_ml.cli.main import cli
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
-from tests.integration.workers import WorkerProcess, running
+from tests.integration.workers import WorkerProcess, running, wait_for_leader
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,7 @@ def test_a_queue_never_holds_more_gpus_than_its_budget_and_other_queues_are_not_
     with running([worker], store):
         # The bound is on budgets, not on the election: a leader slow to start under
         # load (2.2 s once in `make test`) delayed every job alike and failed it.
-        deadline = time.monotonic() + 20
-        while PendingBook(store).leader() is None:
-            assert time.monotonic() < deadline, "no scheduler was elected"
-            time.sleep(0.05)
+        wait_for_leader(store)
         train = [record.apply_async(args=[f"t{i}", 2.0], queue="train").id for i in range(6)]
         time.sleep(0.5)
         other_sent = time.time()

@@ -7,6 +7,7 @@ watch falls back to reading the store rather than answering from a stale copy.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -117,7 +118,10 @@ def test_a_forked_child_opens_its_own_watch(watch: GrantWatch, redis_client: red
     assert watch.lookup("f") == (True, "w\tE2")  # the parent's watch saw the child's write
 
 
-def test_a_server_without_key_tracking_leaves_every_lookup_to_the_store() -> None:
+def test_a_server_without_key_tracking_leaves_every_lookup_to_the_store(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="celery_ojs_ml.integration.grant_watch")
     client = fakeredis.FakeRedis()
     client.hset(KEY, "f", "w\tE")
     book = GrantBook(OJSStore(client))
@@ -125,3 +129,6 @@ def test_a_server_without_key_tracking_leaves_every_lookup_to_the_store() -> Non
     client.hdel(KEY, "f")
     assert book.lookup("f") is None
     assert book._watch is not None and book._watch.lookup("f") == (False, None)
+    said = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert said == [("INFO", said[0][1])]  # told once, not retried with a warning
+    assert "publishers read grants per job (no key tracking" in said[0][1]

@@ -14,7 +14,7 @@ import redis
 
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
-from tests.integration.workers import ROOT, WorkerProcess, running
+from tests.integration.workers import ROOT, WorkerProcess, running, wait_for_leader
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,8 @@ def test_an_nvlink_job_waits_for_a_free_pair_of_peers_and_is_never_given_back(
     worker = WorkerProcess("nv", redis_url, "auto", tmp_path, concurrency=4, extra_env=env)
     app = make_app(redis_url)
     record = app.tasks["ml.record"]
-    with running([worker], OJSStore(redis_client, prefix="ojs")):
+    with running([worker], store := OJSStore(redis_client, prefix="ojs")):
+        wait_for_leader(store)  # jobs sent before the election are placed in one pass
         # three 1-GPU jobs take devices 0, 1 and 2 (best fit keeps the 2-3 pair whole
         # until the third); the one on device 1 ends first, leaving 1 and 3 free
         for tag, secs in (("long-a", 5.0), ("short", 1.0), ("long-b", 5.0)):

@@ -101,6 +101,18 @@ class WorkerProcess:
         return self.log.read_text(errors="replace")
 
 
+def wait_for_leader(store: OJSStore, timeout_s: float = 20.0) -> None:
+    """Block until a scheduler is elected: a test whose premise is jobs arriving one by
+    one at a running scheduler publishes after this (under load the first leader has
+    taken 2 s to start, and jobs sent before then are all placed in one pass)."""
+    from celery_ojs_ml.pending import PendingBook
+
+    deadline = time.monotonic() + timeout_s
+    while PendingBook(store).leader() is None:
+        assert time.monotonic() < deadline, "no scheduler was elected"
+        time.sleep(0.05)
+
+
 @contextmanager
 def running(workers: list[WorkerProcess], store: OJSStore) -> Iterator[list[WorkerProcess]]:
     """Start workers, wait until each has advertised, stop them all afterwards."""
