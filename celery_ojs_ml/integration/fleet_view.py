@@ -23,6 +23,7 @@ from typing import Any, TypeGuard
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.allocator.sharing import FULL, after, place, share_milli, untouched
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.integration.grants import HEADER_GRANT
 from celery_ojs_ml.integration.labels import job_labels
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching import FreeCapacity
@@ -210,14 +211,8 @@ def worker_states(
     `inflight_jobs` the number of jobs (`Ledger.jobs`); `shown` is `allocated_ids(live)`
     where the caller has it already.
     """
-    running: dict[str, list[RunningJob]] = {}
     shown = allocated_ids(live) if shown is None else shown
-    for lease in leases:
-        job = _running(lease, parse, (checkpoints or {}).get(str(lease.get("task_id"))))
-        if job is not None and _ended(lease, live, shown):
-            job = dataclasses.replace(job, ended=True)
-        if job is not None:
-            running.setdefault(str(lease.get("worker")), []).append(job)
+    running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {})
     states = []
     for name, entry in sorted(live.items()):
         key = name + json.dumps(entry.get("capabilities"), sort_keys=True, default=str)
@@ -225,7 +220,8 @@ def worker_states(
         if caps is None:
             caps = caps_memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
         counts = (entry.get("free") or {}).get("free") or {}
-        take = used.get(name, Demand())
+        late = unseen.get(name, [])
+        take = Demand.total([used.get(name, Demand()), *(_demand(j) for j in late)])
         milli = gpu_free_milli(entry, take.gpus, caps, (inflight_shares or {}).get(name, ()))
         gpus = max(0, int(counts.get("gpu_count") or 0) - take.gpus)
         free = FreeCapacity(
@@ -233,7 +229,7 @@ def worker_states(
             cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
             memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
             tpu_chips=(counts.get("tpu_chip_count") or None),
-            processes=processes_free(entry, (inflight_jobs or {}).get(name, 0)),
+            processes=processes_free(entry, (inflight_jobs or {}).get(name, 0) + len(late)),
             running_labels=(
                 *(r.labels for r in running.get(name, ()) if r.labels),
                 *(inflight_labels or {}).get(name, ()),
@@ -248,7 +244,7 @@ def worker_states(
                 frozenset(queues) if queues else frozenset({"celery"}),
                 tuple(running.get(name, ())),
                 gpu_free_milli=milli,
-                nvlink_free=nvlink_free(entry, free.gpus),
+                nvlink_free=nvlink_free(entry, free.gpus, sum(j.gpus for j in late)),
             )
         )
     return states
@@ -280,13 +276,61 @@ def _count(value: Any) -> TypeGuard[int]:
     return is_int(value) and value >= 0
 
 
-def nvlink_free(entry: Mapping[str, Any], gpus: int | None) -> int | None:
+def nvlink_free(entry: Mapping[str, Any], gpus: int | None, taken: int = 0) -> int | None:
     """The most free devices of a worker that are all NVLink peers, as it reported them,
-    at most its free GPUs less what was assigned since (`gpus`); None when not reported."""
+    less the GPUs of jobs it started since (`taken`: they may have come out of that
+    set), at most its free GPUs less what was assigned since (`gpus`); None when not
+    reported."""
     found = (entry.get("free") or {}).get("nvlink_free")
     if isinstance(found, bool) or not isinstance(found, int) or found < 0:
         return None
+    found = max(0, found - taken)
     return found if gpus is None else min(found, gpus)
+
+
+def _lease_jobs(
+    leases: list[dict[str, Any]],
+    live: Mapping[str, Mapping[str, Any]],
+    shown: Mapping[str, frozenset[str]],
+    parse: Parse,
+    checkpoints: Mapping[str, float],
+) -> tuple[dict[str, list[RunningJob]], dict[str, list[RunningJob]]]:
+    """The running jobs of each worker, from the leases; and, apart, those started under
+    a grant since its last heartbeat (`unseen`): no assignment of the scheduler's counts
+    them (the `Ledger` holds only its own), so the capacity the heartbeat shows free is
+    theirs until the next one shows them."""
+    running: dict[str, list[RunningJob]] = {}
+    unseen: dict[str, list[RunningJob]] = {}
+    for lease in leases:
+        job = _running(lease, parse, checkpoints.get(str(lease.get("task_id"))))
+        if job is None:
+            continue
+        worker = str(lease.get("worker"))
+        if _ended(lease, live, shown):
+            job = dataclasses.replace(job, ended=True)
+        elif _granted_since(lease, live, shown):
+            unseen.setdefault(worker, []).append(job)
+        running.setdefault(worker, []).append(job)
+    return running, unseen
+
+
+def _granted_since(
+    lease: Mapping[str, Any],
+    live: Mapping[str, Mapping[str, Any]],
+    shown: Mapping[str, frozenset[str]],
+) -> bool:
+    """Whether a lease's job started under a grant after its worker's last snapshot."""
+    if not (lease.get("headers") or {}).get(HEADER_GRANT):
+        return False
+    worker = str(lease.get("worker"))
+    entry = live.get(worker)
+    if entry is None or "allocations" not in (entry.get("free") or {}):
+        return False
+    return str(lease.get("task_id")) not in shown.get(worker, frozenset())
+
+
+def _demand(job: RunningJob) -> Demand:
+    return Demand(job.gpus, job.cpu_cores, job.memory_gb, 0)
 
 
 def gpu_free_milli(

@@ -136,3 +136,35 @@ def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_has_ended
     assert running(101.0, ["runs"]) == {"runs"}
     assert running(101.0, ["runs", "ended"]) == {"ended", "runs"}
     assert running(100.01, ["runs"]) == {"ended", "runs"}  # taken about when it started
+
+
+def test_jobs_a_holder_started_under_a_grant_since_its_heartbeat_take_its_free_capacity() -> None:
+    """A grant holder starts jobs without the scheduler (no assignment for the ledger to
+    count): until its next heartbeat shows them, their leases take the GPUs, processes
+    and NVLink island its last heartbeat showed free, so a job of another class is not
+    sent where it no longer fits. A job the heartbeat shows, or one not sent under a
+    grant (the ledger counts those), is not taken twice."""
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.lru import LRU
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    snapshot = {
+        "free": {"gpu_count": 2, "cpu_cores": 8, "memory_gb": 64},
+        "nvlink_free": 2,
+        "allocations": [{"task_id": "a"}, {"task_id": "b"}],
+    }
+    live = {"w": {"capabilities": caps, "free": snapshot, "ts": 100.0, "info": {"processes": 4}}}
+
+    def lease(task_id: str, grant: bool) -> dict[str, Any]:
+        headers = {"ext_ml_gpu_count": 1, **({"ojs_grant": "e1"} if grant else {})}
+        return {"task_id": task_id, "worker": "w", "started_at": 100.5, "devices": [2]} | {
+            "headers": headers
+        }
+
+    (seen,) = worker_states(live, [lease("a", True), lease("b", True)], {}, _parse, LRU(8))
+    assert (seen.free.gpus, seen.nvlink_free, seen.free.processes) == (2, 2, 2)
+    (late,) = worker_states(live, [lease("a", True), lease("c", True)], {}, _parse, LRU(8))
+    assert (late.free.gpus, late.nvlink_free, late.free.processes) == (1, 1, 1)
+    (assigned,) = worker_states(live, [lease("a", True), lease("c", False)], {}, _parse, LRU(8))
+    assert (assigned.free.gpus, assigned.nvlink_free) == (2, 2)
