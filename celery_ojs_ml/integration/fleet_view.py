@@ -221,7 +221,7 @@ def worker_states(
             caps = caps_memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
         counts = (entry.get("free") or {}).get("free") or {}
         late = unseen.get(name, [])
-        take = Demand.total([used.get(name, Demand()), *(_demand(j) for j in late)])
+        take = Demand.total([used.get(name, Demand()), *(j.demand for j in late)])
         milli = gpu_free_milli(entry, take.gpus, caps, (inflight_shares or {}).get(name, ()))
         gpus = max(0, int(counts.get("gpu_count") or 0) - take.gpus)
         free = FreeCapacity(
@@ -306,31 +306,13 @@ def _lease_jobs(
         if job is None:
             continue
         worker = str(lease.get("worker"))
-        if _ended(lease, live, shown):
+        hidden = _unshown(lease, live, shown)
+        if hidden and _started_before(lease, live[worker]):
             job = dataclasses.replace(job, ended=True)
-        elif _granted_since(lease, live, shown):
+        elif hidden and (lease.get("headers") or {}).get(HEADER_GRANT):
             unseen.setdefault(worker, []).append(job)
         running.setdefault(worker, []).append(job)
     return running, unseen
-
-
-def _granted_since(
-    lease: Mapping[str, Any],
-    live: Mapping[str, Mapping[str, Any]],
-    shown: Mapping[str, frozenset[str]],
-) -> bool:
-    """Whether a lease's job started under a grant after its worker's last snapshot."""
-    if not (lease.get("headers") or {}).get(HEADER_GRANT):
-        return False
-    worker = str(lease.get("worker"))
-    entry = live.get(worker)
-    if entry is None or "allocations" not in (entry.get("free") or {}):
-        return False
-    return str(lease.get("task_id")) not in shown.get(worker, frozenset())
-
-
-def _demand(job: RunningJob) -> Demand:
-    return Demand(job.gpus, job.cpu_cores, job.memory_gb, 0)
 
 
 def gpu_free_milli(
@@ -370,26 +352,32 @@ _ENDED_AFTER_S = 0.05
 (the snapshot is taken just before the heartbeat's timestamp)."""
 
 
-def _ended(
+def _unshown(
     lease: Mapping[str, Any],
     live: Mapping[str, Mapping[str, Any]],
     shown: Mapping[str, frozenset[str]],
 ) -> bool:
-    """Whether a lease's job has ended though its lease is still there: its worker's
-    last heartbeat, taken well after the job started, does not show it allocated. The
-    worker writes a release with its next lease batch (`lease_writer`), after the
-    release's wake-up: counted in its queue's holdings, the job made its queue look
-    past its fair share to the pass that wake-up started (stop 27's CI). It is kept
-    as running otherwise (`RunningJob.ended`): dropped, a worker of short jobs looked
-    idle to prefetch (`_room`) and `bench/inference.py` lost 0.03-0.06."""
+    """Whether a lease's job is missing from its worker's last snapshot (False where there
+    is no snapshot to tell)."""
     worker = str(lease.get("worker"))
     entry = live.get(worker)
     if entry is None or "allocations" not in (entry.get("free") or {}):
-        return False  # no snapshot to tell
-    started = float(lease.get("started_at") or 0.0)
-    if float(entry.get("ts") or 0.0) <= started + _ENDED_AFTER_S:
         return False
     return str(lease.get("task_id")) not in shown.get(worker, frozenset())
+
+
+def _started_before(lease: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
+    """Whether the worker's last snapshot was taken well after the lease's job started: a
+    job it does not show then has ended though its lease is still there. The worker
+    writes a release with its next lease batch (`lease_writer`), after the release's
+    wake-up: counted in its queue's holdings, the job made its queue look past its fair
+    share to the pass that wake-up started (stop 27's CI). It is kept as running
+    otherwise (`RunningJob.ended`): dropped, a worker of short jobs looked idle to
+    prefetch (`_room`) and `bench/inference.py` lost 0.03-0.06. A job missing from a
+    snapshot taken before it started began since: under a grant, the scheduler counts
+    it from its lease (`_lease_jobs`)."""
+    started = float(lease.get("started_at") or 0.0)
+    return float(entry.get("ts") or 0.0) > started + _ENDED_AFTER_S
 
 
 def _running(

@@ -48,10 +48,10 @@ from celery_ojs_ml.store import OJSStore
 log = logging.getLogger(__name__)
 _LIVE_CACHE_S = 1.0
 _TAKE_BACK_S = 5.0
+"""How long `prioritize` waits for the leader to take back a job sent under a grant."""
 _IN_FLIGHT_S = 0.5
 """How long `prioritize` looks again for a job it finds nowhere (a message a worker has
 popped off its queue is in no list until kombu records it as unacknowledged)."""
-"""How long `prioritize` waits for the leader to take back a job sent under a grant."""
 _ROUTED = threading.local()
 """The plugin that routed the message being published on this thread (router -> publish)."""
 
@@ -139,6 +139,8 @@ class OJSML(Submitting):
     def use_store(self, store: OJSStore) -> None:
         """Use a given store (the embedded demo passes a fakeredis one)."""
         self._store = store
+        if self._grants is not None:
+            self._grants.close()  # its watch connection was to the old store
         self._grants = None
 
     @property
