@@ -134,3 +134,42 @@ def _profile_main_process(path: str) -> None:
 
 if os.environ.get("OJS_BENCH_PROFILE"):
     _profile_main_process(os.environ["OJS_BENCH_PROFILE"])
+
+
+def _gc_report() -> None:
+    """`OJS_BENCH_GC=1`: log, at shutdown, the cyclic collections the worker's main process
+    ran since ready (count and seconds by generation) and how many objects the last of
+    them found to be cyclic garbage. A request held in a reference cycle shows here: it
+    is freed only by the collector, dozens of objects per job (docs/performance.md)."""
+    import gc
+    import sys
+
+    from celery import signals
+
+    runs, spent, start = [0, 0, 0], [0.0, 0.0, 0.0], [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            start[0] = time.perf_counter()
+            return
+        runs[info["generation"]] += 1
+        spent[info["generation"]] += time.perf_counter() - start[0]
+
+    def ready(**_: object) -> None:
+        gc.callbacks.append(timed)
+
+    def report(**_: object) -> None:
+        gc.callbacks.remove(timed)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        found, gc.garbage[:] = len(gc.garbage), []
+        gc.set_debug(0)
+        spent_s = [round(s, 3) for s in spent]
+        print(f"GC collections {runs} seconds {spent_s} garbage {found}", file=sys.stderr)
+
+    signals.worker_ready.connect(ready, weak=False)
+    signals.worker_shutdown.connect(report, weak=False)
+
+
+if os.environ.get("OJS_BENCH_GC"):
+    _gc_report()

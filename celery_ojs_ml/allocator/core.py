@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, KeysView, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -285,6 +285,10 @@ class Allocator(RunningBook):
     def held(self) -> list[Pending]:
         """Held requests in queue order: the order `pump` serves them in."""
         return sorted(self._held.values(), key=self._order)
+
+    def held_keys(self) -> KeysView[Hashable]:
+        """The keys of the held requests, in no order (a live view: copy to keep it)."""
+        return self._held.keys()
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for `celery inspect stats`, Flower and `celery ojs-ml status`."""

@@ -249,25 +249,24 @@ class Gate(LeaseKeeping, granted.Granted):
             # may fit now, and no release will pump them (none may be running here).
             self._pump_soon()
             return None
-        if req.request_dict.get(HEADER_PREFETCH):
+        headers = req.request_dict
+        if headers.get(HEADER_PREFETCH):
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
-        req.request_dict["ojs_devices"] = list(alloc.devices)
+        headers["ojs_devices"] = list(alloc.devices)
         if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
-            req.request_dict[HEADER_SHARE] = share_info(
-                alloc, self.admission.parse(req.request_dict), self.caps
-            )
+            headers[HEADER_SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
         self.devices_by_id[req.id] = tuple(alloc.devices)
         self._requests[req.id] = req
-        req.request_dict["ojs_node"] = self.hostname
-        req.request_dict["ojs_pin"] = self.prefork
-        if HEADER_RENDEZVOUS in req.request_dict:  # a gang rank's failure re-places its gang:
-            req.request_dict["ignore_result"] = True  # no FAILURE stored (see integration.gangs)
+        headers["ojs_node"] = self.hostname
+        headers["ojs_pin"] = self.prefork
+        if HEADER_RENDEZVOUS in headers:  # a gang rank's failure re-places its gang:
+            headers["ignore_result"] = True  # no FAILURE stored (see integration.gangs)
         req.on_failure = self._failing(req, req.on_failure)
         for name in ("on_success", "on_failure"):
             setattr(req, name, self._releasing(req, getattr(req, name)))
         req.on_timeout = self._timeout_releasing(req, req.on_timeout)
-        if req.request_dict.get(HEADER_PENDING):
+        if headers.get(HEADER_PENDING):
             self._clear_pending(req.id)
         self._take_lease(req, alloc)
         self.resubscribe()
@@ -305,6 +304,7 @@ class Gate(LeaseKeeping, granted.Granted):
         if self.router is not None:
             self.router.finished(req.id)
         self._requests.pop(req.id, None)
+        _unwrap(req)
         with self.lock:
             self.fenced.discard(req)
             if self.allocator.free(req) is None:
@@ -387,6 +387,21 @@ class Gate(LeaseKeeping, granted.Granted):
                 self._requeue(req)
             if not self.allocator.held():
                 self.resubscribe()
+
+
+_WRAPPED = ("on_success", "on_failure", "on_timeout")
+"""The request's callbacks `_dispatch` wraps: closures that hold the request."""
+
+
+def _unwrap(req: Any) -> None:
+    """Drop a finished request's wrapped callbacks. Each closure holds the request that
+    holds it: a reference cycle that kept the request, its message and its promises
+    alive until the cyclic collector ran (a gen-0 collection every few jobs in a
+    burst). The pool already holds the callbacks it will call."""
+    found = getattr(req, "__dict__", None)
+    if found is not None:
+        for name in _WRAPPED:
+            found.pop(name, None)
 
 
 def refused_result(req: Any, reason: str) -> None:

@@ -154,7 +154,7 @@ class Granted:
         epoch = epoch_of(req)
         if epoch is None or epoch not in self.mine.values():
             return False
-        return all(p.key in self.granted_held for p in self.allocator.held())
+        return self.granted_held.issuperset(self.allocator.held_keys())
 
     def hold_granted(self, req: Any, outcome: Pending) -> bool:
         """Hold a granted job that does not fit yet, inside Celery's prefetch limit; True

@@ -128,6 +128,8 @@ class LeaseWriter:
         within the lease delay of the last run's end) would find the last run's lease
         still there until the batch goes out, take that for another worker's, and stop;
         so that release is written, and answered, before the new run starts."""
+        if not self._releases and not self._inflight:
+            return False  # the usual case: nothing queued, nothing unanswered
         if any(t == task_id for t, _ in self._releases):
             return True
         sent = (batch[1] for batch in self._inflight if not isinstance(batch, Fired))

@@ -28,12 +28,11 @@ from celery import Celery, bootsteps, signals
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration import child, redis_intake
+from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.advertising import Advertising
 from celery_ojs_ml.integration.gangs import (
     primary_address,
-    store_rank_result,
 )
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.integration.preemption import Preemptions
@@ -71,13 +70,10 @@ def install(app: Celery) -> None:
         )
     )
     app.steps["consumer"].add(MLWorker)
-    signals.task_prerun.connect(child.pin_devices, weak=False)
-    signals.task_postrun.connect(child.unpin_devices, weak=False)
-    signals.task_postrun.connect(_child_postrun, weak=False)
-    signals.task_success.connect(store_rank_result, weak=False)
+    signals.task_prerun.connect(_child_prerun, weak=False)  # pins the devices
+    signals.task_postrun.connect(_child_postrun, weak=False)  # unpins; stores gang ranks
     signals.celeryd_init.connect(configure_child_recycling, weak=False)
     signals.worker_process_init.connect(_child_init, weak=False)
-    signals.task_prerun.connect(_child_prerun, weak=False)
     from celery_ojs_ml.integration import control  # noqa: F401  (registers the commands)
 
 

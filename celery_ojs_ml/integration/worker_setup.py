@@ -14,12 +14,15 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from celery.states import SUCCESS
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
 from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
+from celery_ojs_ml.checkpoint.preempt import reset_flag
 from celery_ojs_ml.integration import child, warm_pool
+from celery_ojs_ml.integration.gangs import store_rank_result
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.flux_rules import is_int
 
@@ -194,18 +197,28 @@ def _child_init(**_: Any) -> None:
         _WATCH["cuda"] = child.DriverWatch()
 
 
-def _child_prerun(**_: Any) -> None:
-    from celery_ojs_ml.checkpoint import reset_flag
-
+def _child_prerun(task: Any = None, **_: Any) -> None:
+    """`task_prerun` in a pool child: clear the preemption flag, then pin the devices
+    (`child.pin_devices`). One receiver per signal: Celery sends each signal that has
+    receivers once per task, and `task_success` has none (see `_child_postrun`)."""
     reset_flag()
+    child.pin_devices(task=task)
 
 
 _WATCH: dict[str, Any] = {}
 
 
-def _child_postrun(task: Any = None, **_: Any) -> None:
-    """Warm mode: a child records the device set its CUDA came up with (`warm_pool`)."""
-    watch = _WATCH.get("cuda")
-    if watch is not None:
-        devices = getattr(getattr(task, "request", None), "ojs_devices", None)
-        warm_pool.bind_after_task(list(devices) if devices else None, watch)
+def _child_postrun(task: Any = None, retval: Any = None, state: Any = None, **_: Any) -> None:
+    """`task_postrun` in a pool child: restore the environment (`child.unpin_devices`),
+    store a gang rank's success (`gangs.store_rank_result`, which Celery's `task_success`
+    would carry at the cost of one more signal per task), and in warm mode record the
+    device set the child's CUDA came up with (`warm_pool`)."""
+    try:
+        child.unpin_devices(task=task)
+        if state == SUCCESS:
+            store_rank_result(sender=task, result=retval)
+    finally:
+        watch = _WATCH.get("cuda")
+        if watch is not None:
+            devices = getattr(getattr(task, "request", None), "ojs_devices", None)
+            warm_pool.bind_after_task(list(devices) if devices else None, watch)

@@ -60,9 +60,15 @@ PRECISION_MIN_CC: dict[str, str] = {
 PRIORITY_CLASSES: tuple[str, ...] = ("spot", "on-demand", "reserved")
 
 
+_RANKS: dict[str, int] = {name: i for i, name in enumerate(PRIORITY_CLASSES)}
+
+
 def priority_rank(priority_class: str) -> int:
     """The §8.1 rank of a priority class: reserved > on-demand > spot."""
-    return PRIORITY_CLASSES.index(priority_class)
+    try:
+        return _RANKS[priority_class]
+    except (KeyError, TypeError):
+        raise ValueError(f"{priority_class!r} is not a priority class {PRIORITY_CLASSES}") from None
 
 
 def cc_tuple(value: str) -> tuple[int, int]:

@@ -416,3 +416,33 @@ def _define_plain_tasks(app: Celery, results_url: str) -> None:
 
 
 app = make_app(os.environ.get("OJS_TEST_BROKER", "redis://127.0.0.1:6399/0"))
+
+
+def _count_leaked_requests() -> None:
+    """`OJS_TEST_GC_REQUESTS=1`: the worker's main process runs without the cyclic
+    collector from ready to shutdown, then logs how many Celery requests only that
+    collector could have freed (requests held in a reference cycle)."""
+    import gc
+    import sys
+
+    from celery import signals
+
+    def ready(**_: Any) -> None:
+        gc.collect()
+        gc.disable()
+
+    def report(**_: Any) -> None:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        leaked = sum(type(o).__name__ == "Request" for o in gc.garbage)
+        gc.garbage.clear()
+        gc.set_debug(0)
+        gc.enable()
+        print(f"ojs-test: requests in reference cycles: {leaked}", file=sys.stderr, flush=True)
+
+    signals.worker_ready.connect(ready, weak=False)
+    signals.worker_shutdown.connect(report, weak=False)
+
+
+if os.environ.get("OJS_TEST_GC_REQUESTS") == "1":
+    _count_leaked_requests()

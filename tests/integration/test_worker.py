@@ -396,3 +396,20 @@ def test_a_worker_takes_ml_jobs_of_its_own_logical_queues_only(
     reason = ojs_store.pending()[orphan.id]["reason"]
     assert "0/2 live workers consume queue 'nobody'" in reason and "-Q nobody" in reason
     assert "orphan" not in ran
+
+
+def test_a_finished_gpu_job_leaves_no_reference_cycle_in_the_workers_main_process(
+    app: Celery, redis_url: str, redis_client: redis.Redis, ojs_store: OJSStore, tmp_path: Path
+) -> None:
+    """The gate wraps each job's callbacks in closures that hold the request; it drops
+    them when the job ends, or every request, with its message and promises, stays in a
+    reference cycle until the cyclic collector runs (a collection every few jobs in a
+    burst). The worker runs with the collector off and counts what only it could free."""
+    worker = _worker("a", redis_url, tmp_path, extra_env={"OJS_TEST_GC_REQUESTS": "1"})
+    with running([worker], ojs_store):
+        for i in range(30):
+            app.tasks["ml.record"].apply_async(args=[f"r{i}", 0.0], kwargs={"cuda": False})
+        assert len(_results(redis_client, 30)) == 30
+    found = [line for line in worker.log.read_text().splitlines() if "reference cycles" in line]
+    assert found, "the worker logged no count at shutdown"
+    assert found[-1].endswith("requests in reference cycles: 0"), found[-1]

@@ -179,3 +179,45 @@ def test_the_setting_takes_booleans_and_rejects_other_values() -> None:
     assert read_settings({"ojs_ml_recycle_gpu_children": False}).recycle_gpu_children == "never"
     with pytest.raises(ConfigError, match="recycle_gpu_children"):
         read_settings({"ojs_ml_recycle_gpu_children": "sometimes"})
+
+
+def test_the_child_hooks_are_one_receiver_per_signal_and_none_on_task_success() -> None:
+    """Celery sends a signal per task only when it has receivers: the child's work is one
+    `task_prerun` and one `task_postrun` receiver, and `task_success` carries none."""
+    from celery import Celery, signals
+
+    from celery_ojs_ml import OJSML
+
+    OJSML(Celery("hooks", broker="memory://", set_as_current=False))
+
+    def ours(signal: Any) -> list[str]:
+        found = [
+            r() if callable(r) and not hasattr(r, "__code__") else r for *_, r in signal.receivers
+        ]
+        return [f.__qualname__ for f in found if "celery_ojs_ml" in getattr(f, "__module__", "")]
+
+    assert ours(signals.task_prerun) == ["_child_prerun"]
+    assert ours(signals.task_postrun) == ["_child_postrun"]
+    assert ours(signals.task_success) == []
+
+
+def _rank_task(stored: list[tuple[str, Any, str]]) -> Any:
+    from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
+
+    request = SimpleNamespace(id="rank-0", **{HEADER_RENDEZVOUS: {"size": 2}})
+    backend = SimpleNamespace(
+        store_result=lambda tid, res, state, request: stored.append((tid, res, state))
+    )
+    return SimpleNamespace(request=request, backend=backend)
+
+
+def test_postrun_stores_a_gang_ranks_result_on_success_only() -> None:
+    """A gang rank runs with `ignore_result`; its success is stored by the child's
+    `task_postrun` (the `task_success` receiver it replaced), its failure is not."""
+    from celery_ojs_ml.integration.worker_setup import _child_postrun
+
+    stored: list[tuple[str, Any, str]] = []
+    _child_postrun(task=_rank_task(stored), retval=41, state="FAILURE")
+    assert stored == []
+    _child_postrun(task=_rank_task(stored), retval=42, state="SUCCESS")
+    assert stored == [("rank-0", 42, "SUCCESS")]
