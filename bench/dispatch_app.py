@@ -136,6 +136,30 @@ if os.environ.get("OJS_BENCH_PROFILE"):
     _profile_main_process(os.environ["OJS_BENCH_PROFILE"])
 
 
+def _profile_children(directory: str) -> None:
+    """`OJS_BENCH_PROFILE_CHILDREN=DIR`: cProfile each pool child from its start to its
+    exit, into `DIR/child-PID.prof`."""
+    import cProfile
+
+    from celery import signals
+
+    profiler = cProfile.Profile()
+
+    def start(**_: object) -> None:
+        profiler.enable()
+
+    def stop(**_: object) -> None:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(directory, f"child-{os.getpid()}.prof"))
+
+    signals.worker_process_init.connect(start, weak=False)
+    signals.worker_process_shutdown.connect(stop, weak=False)
+
+
+if os.environ.get("OJS_BENCH_PROFILE_CHILDREN"):
+    _profile_children(os.environ["OJS_BENCH_PROFILE_CHILDREN"])
+
+
 def _gc_report() -> None:
     """`OJS_BENCH_GC=1`: log, at shutdown, the cyclic collections the worker's main process
     ran since ready (count and seconds by generation) and how many objects the last of

@@ -34,6 +34,7 @@ from celery_ojs_ml.integration.warm_pool import take_move
 
 log = logging.getLogger(__name__)
 CVD = "CUDA_VISIBLE_DEVICES"
+ORDER = "CUDA_DEVICE_ORDER"
 RECYCLE_MODES = ("warm", "cuda", "always", "never")
 RECYCLE: dict[str, Any] = {"mode": "never"}
 """Set in the worker's main process at `celeryd_init`; pool children inherit it by fork."""
@@ -188,17 +189,24 @@ def install_cuda_retirement() -> None:
 
 def pin_devices(task: Any = None, **_: Any) -> None:
     """`task_prerun`: set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
-    request = getattr(task, "request", None)
-    if request is not None:
-        set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
-        set_share_env(request)  # a GPU share's MPS memory limit (integration.sharing)
-        take_move(request)  # warm children: the job was moved onto this child's devices
-    devices = getattr(request, "ojs_devices", None)
-    if request is None or devices is None or not getattr(request, "ojs_pin", False):
+    pin_request(getattr(task, "request", None))
+
+
+def pin_request(request: Any) -> None:
+    """`pin_devices` for a task's request (read once: `task.request` is a stack lookup)."""
+    if request is None:
         return
-    request.ojs_saved_cvd = os.environ.get(CVD)
-    os.environ[CVD] = pinned(devices)
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers devices as NVML does
+    set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
+    set_share_env(request)  # a GPU share's MPS memory limit (integration.sharing)
+    take_move(request)  # warm children: the job was moved onto this child's devices
+    devices = getattr(request, "ojs_devices", None)
+    if devices is None or not getattr(request, "ojs_pin", False):
+        return
+    environ = os.environ
+    request.ojs_saved_cvd = environ.get(CVD)
+    environ[CVD] = pinned(devices)
+    if environ.get(ORDER) != "PCI_BUS_ID":  # CUDA numbers devices as NVML does
+        environ[ORDER] = "PCI_BUS_ID"
 
 
 VISIBLE: dict[str, list[str] | None] = {"tokens": None}
@@ -217,11 +225,16 @@ def pinned(devices: Any) -> str:
 
 def unpin_devices(task: Any = None, **_: Any) -> None:
     """`task_postrun`: restore the variable as it was before the task."""
-    request = getattr(task, "request", None)
-    if request is not None:
-        restore_env(request)
-        restore_share_env(request)
-    if request is None or not hasattr(request, "ojs_saved_cvd"):
+    unpin_request(getattr(task, "request", None))
+
+
+def unpin_request(request: Any) -> None:
+    """`unpin_devices` for a task's request."""
+    if request is None:
+        return
+    restore_env(request)
+    restore_share_env(request)
+    if not hasattr(request, "ojs_saved_cvd"):
         return
     saved = request.ojs_saved_cvd
     if saved is None:

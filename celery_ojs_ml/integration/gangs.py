@@ -167,10 +167,14 @@ def give_up_rank(gate: Any, req: Any, exc: Any) -> None:
 def store_rank_result(sender: Any = None, result: Any = None, **_: Any) -> None:
     """`task_success` in the pool child: a gang rank runs with `ignore_result` (so that a
     failure that re-places its gang stores nothing); its success is stored here."""
-    request = getattr(sender, "request", None)
-    if request is None or not isinstance(getattr(request, HEADER_RENDEZVOUS, None), Mapping):
-        return
-    sender.backend.store_result(request.id, result, "SUCCESS", request=request)
+    request: Any = getattr(sender, "request", None)
+    if is_rank(request):
+        sender.backend.store_result(request.id, result, "SUCCESS", request=request)
+
+
+def is_rank(request: Any) -> bool:
+    """Whether a task's request is a gang rank's (it carries the gang's rendezvous)."""
+    return request is not None and isinstance(getattr(request, HEADER_RENDEZVOUS, None), Mapping)
 
 
 def gang_headers(size: Any) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ Key decisions (DESIGN decision 3, issue 13):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from multiprocessing.sharedctypes import RawArray
@@ -82,10 +83,16 @@ def mask_of(devices: Iterable[int]) -> int:
 
 
 def _index() -> int | None:
-    import billiard.process
+    """This pool child's slot (read once per process: it is asked twice per task)."""
+    pid = os.getpid()
+    if _TABLE.get("pid") != pid:
+        import billiard.process
 
-    index = getattr(billiard.process.current_process(), "index", None)
-    return index if isinstance(index, int) and 0 <= index < SLOTS else None
+        index = getattr(billiard.process.current_process(), "index", None)
+        _TABLE["index"] = index if isinstance(index, int) and 0 <= index < SLOTS else None
+        _TABLE["pid"] = pid
+    found: int | None = _TABLE["index"]
+    return found
 
 
 def reset_slot() -> None:
@@ -98,8 +105,10 @@ def reset_slot() -> None:
 
 def take_move(request: Any) -> None:
     """`task_prerun` in a child: the router moved this job onto this child's devices."""
+    if _slots() is None:
+        return
     index = _index()
-    if _slots() is None or index is None:
+    if index is None:
         return
     moved = int(_TABLE["next"][index])
     _TABLE["next"][index] = 0

@@ -22,7 +22,7 @@ from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
 from celery_ojs_ml.checkpoint.preempt import reset_flag
 from celery_ojs_ml.integration import child, warm_pool
-from celery_ojs_ml.integration.gangs import store_rank_result
+from celery_ojs_ml.integration.gangs import is_rank, store_rank_result
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.flux_rules import is_int
 
@@ -202,7 +202,7 @@ def _child_prerun(task: Any = None, **_: Any) -> None:
     (`child.pin_devices`). One receiver per signal: Celery sends each signal that has
     receivers once per task, and `task_success` has none (see `_child_postrun`)."""
     reset_flag()
-    child.pin_devices(task=task)
+    child.pin_request(getattr(task, "request", None))
 
 
 _WATCH: dict[str, Any] = {}
@@ -213,12 +213,13 @@ def _child_postrun(task: Any = None, retval: Any = None, state: Any = None, **_:
     store a gang rank's success (`gangs.store_rank_result`, which Celery's `task_success`
     would carry at the cost of one more signal per task), and in warm mode record the
     device set the child's CUDA came up with (`warm_pool`)."""
+    request = getattr(task, "request", None)
     try:
-        child.unpin_devices(task=task)
-        if state == SUCCESS:
+        child.unpin_request(request)
+        if state == SUCCESS and is_rank(request):
             store_rank_result(sender=task, result=retval)
     finally:
         watch = _WATCH.get("cuda")
         if watch is not None:
-            devices = getattr(getattr(task, "request", None), "ojs_devices", None)
+            devices = getattr(request, "ojs_devices", None)
             warm_pool.bind_after_task(list(devices) if devices else None, watch)
