@@ -9,6 +9,9 @@ the same app with one switch:
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
     OJS_BENCH_ML_PREFETCH `ojs_ml_prefetch` of the plugin (default: the plugin's)
     OJS_BENCH_GRANTS   "1": `ojs_ml_grants` on (throughput mode), store prefix `ojsg`
+    OJS_BENCH_PROFILE  FILE: cProfile of the worker's main process (ready to shutdown)
+    OJS_BENCH_PROFILE_CHILDREN  DIR: cProfile of each pool child, DIR/child-PID.prof
+    OJS_BENCH_GC       "1": log the main process's cyclic collections and garbage
 
 Both tasks run the same no-op body; `bench.gpu_noop` is the one declared with
 `ml={"ext_ml_gpu_count": 1}`, which the plugin routes to a requirement-class
