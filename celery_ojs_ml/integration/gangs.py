@@ -165,8 +165,9 @@ def give_up_rank(gate: Any, req: Any, exc: Any) -> None:
 
 
 def store_rank_result(sender: Any = None, result: Any = None, **_: Any) -> None:
-    """`task_success` in the pool child: a gang rank runs with `ignore_result` (so that a
-    failure that re-places its gang stores nothing); its success is stored here."""
+    """A gang rank's success, stored in the pool child (from its `task_postrun` hook,
+    `worker_setup._child_postrun`): a rank runs with `ignore_result`, so that a failure
+    that re-places its gang stores nothing. Takes `task_success`'s arguments."""
     request: Any = getattr(sender, "request", None)
     if is_rank(request):
         sender.backend.store_result(request.id, result, "SUCCESS", request=request)

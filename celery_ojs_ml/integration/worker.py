@@ -31,9 +31,7 @@ from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.integration import redis_intake
 from celery_ojs_ml.integration.admission import Admission
 from celery_ojs_ml.integration.advertising import Advertising
-from celery_ojs_ml.integration.gangs import (
-    primary_address,
-)
+from celery_ojs_ml.integration.gangs import primary_address
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.integration.preemption import Preemptions
 from celery_ojs_ml.integration.reservations import ReservationBook
