@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from billiard.exceptions import Terminated
@@ -40,6 +41,9 @@ from celery_ojs_ml.integration.worker_setup import hard_time_limit
 from celery_ojs_ml.store import OJSStore
 
 log = logging.getLogger("celery_ojs_ml.integration.worker")
+_ACCEPT_WAIT_S = 30.0
+"""How long a fenced copy without a known process is waited for before giving up."""
+_ACCEPT_POLL_S = 0.05
 
 
 class LeaseKeeping:
@@ -156,8 +160,26 @@ class LeaseKeeping:
                     req.id,
                     pid,
                 )
-                if not self.kill_child(pid):
+                if pid is None and self.prefork:
+                    self._kill_once_accepted(req, time.monotonic() + _ACCEPT_WAIT_S)
+                elif not self.kill_child(pid):
                     log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
+
+    def _kill_once_accepted(self, req: Any, until: float) -> None:
+        """Kill a fenced copy whose child has not reported it started yet (no pid: the
+        worker stalled between writing the lease and reading the child's ack); the event
+        loop reads that ack soon after the stall ends."""
+        pid = getattr(req, "worker_pid", None)
+        if req not in self.fenced:
+            return  # it ended meanwhile (its failure path discarded it)
+        if pid is not None:
+            self.kill_child(pid)
+            return
+        timer = getattr(self.c, "timer", None)
+        if timer is None or time.monotonic() > until:
+            log.warning("ojs-ml: the fenced copy of %s never reported its process", req.id)
+            return
+        timer.call_after(_ACCEPT_POLL_S, self._kill_once_accepted, (req, until))
 
     def kill_child(self, pid: int | None) -> bool:
         """SIGKILL the pool child `pid` through the pool; False where one task cannot be stopped.
