@@ -35,7 +35,7 @@ from celery_ojs_ml.integration.gangs import (
     requeue_rank,
 )
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
-from celery_ojs_ml.integration.preemption import Preemptions
+from celery_ojs_ml.integration.preemption import UNSTARTED_S, Preemptions
 from celery_ojs_ml.integration.settings import OJSMLSettings
 from celery_ojs_ml.integration.worker_setup import hard_time_limit
 from celery_ojs_ml.store import OJSStore
@@ -43,7 +43,6 @@ from celery_ojs_ml.store import OJSStore
 log = logging.getLogger("celery_ojs_ml.integration.worker")
 _ACCEPT_WAIT_S = 30.0
 """How long a fenced copy without a known process is waited for before giving up."""
-_ACCEPT_POLL_S = 0.05
 
 
 class LeaseKeeping:
@@ -168,7 +167,8 @@ class LeaseKeeping:
     def _kill_once_accepted(self, req: Any, until: float) -> None:
         """Kill a fenced copy whose child has not reported it started yet (no pid: the
         worker stalled between writing the lease and reading the child's ack); the event
-        loop reads that ack soon after the stall ends."""
+        loop reads that ack soon after the stall ends. As `Preemptions.hard_kill` waits for
+        an unstarted victim, it looks again every `UNSTARTED_S`."""
         pid = getattr(req, "worker_pid", None)
         if req not in self.fenced:
             return  # it ended meanwhile (its failure path discarded it)
@@ -179,7 +179,7 @@ class LeaseKeeping:
         if timer is None or time.monotonic() > until:
             log.warning("ojs-ml: the fenced copy of %s never reported its process", req.id)
             return
-        timer.call_after(_ACCEPT_POLL_S, self._kill_once_accepted, (req, until))
+        timer.call_after(UNSTARTED_S, self._kill_once_accepted, (req, until))
 
     def kill_child(self, pid: int | None) -> bool:
         """SIGKILL the pool child `pid` through the pool; False where one task cannot be stopped.

@@ -46,7 +46,7 @@ DEFAULT_GRACE_S = 30.0
 HEADER_PREEMPTIONS = "ojs_preemptions"
 HEADER_POLICY = "ext_mlx_scheduling_preemption_policy"
 IMMEDIATE = "immediate"
-_UNSTARTED_S = 0.1
+UNSTARTED_S = 0.1
 """How soon a victim that no pool child has accepted yet is looked at again."""
 
 
@@ -132,7 +132,7 @@ class Preemptions:
         if req not in self.timers:
             return
         if not pid:  # dispatched, but no pool child has taken it yet: look again shortly
-            self.timers[req] = self.gate.c.timer.call_after(_UNSTARTED_S, self.hard_kill, (req,))
+            self.timers[req] = self.gate.c.timer.call_after(UNSTARTED_S, self.hard_kill, (req,))
             return
         if self.gate.kill_child(pid):
             log.warning("ojs-ml: %s %s; killed pid %s", req.id, _kill_reason(req), pid)
