@@ -19,6 +19,15 @@ Key decisions:
   back to the intake, and the scheduler orders, annotates and places it; so is one of
   a grant that ended (grants are read again every tick while any is held, and before
   the pump starts one).
+* While it holds a grant, the worker's consumer reads about as far ahead as plain
+  Celery's (`sync_prefetch`): the `ojs_ml_prefetch` raise makes room for the jobs the
+  leader delivers ahead, and a holder's next jobs come from the publishers instead. It
+  keeps only what leaves one job ready beyond those its pool can run (`granted_raise`:
+  one with `-c` as many processes as GPUs and a prefetch multiplier of 1, none with
+  Celery's default multiplier of 4). Jobs read past that would only wait at the gate,
+  each costing a hold and a pump that plain Celery's pool buffer does not
+  (`docs/performance.md`, twenty-second session). The whole raise comes back when the
+  holder's last grant ends.
 * A granted job's end does not wake the leader while the grant holds and nothing else
   waits at this gate: nothing waits in the fleet either (a grant lives only while
   nothing does), and the next job of the class is already on its way here. That wake-up
@@ -36,6 +45,7 @@ from typing import Any
 from celery import Celery
 
 from celery_ojs_ml.allocator import Allocator, Pending
+from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.integration.assigned import drop, message_of, token_of
 from celery_ojs_ml.integration.grants import (
     HEADER_GRANT,
@@ -67,6 +77,7 @@ class Granted:
     """`mine`, `grant_current`, `give_back_granted`, `quiet_release` (see module doc)."""
 
     app: Celery
+    c: Any
     settings: OJSMLSettings
     store: OJSStore
     hostname: str
@@ -79,6 +90,8 @@ class Granted:
     _grants_read_at: float
     _grants_on: bool
     _hold_woke: float
+    prefetch_open: int | None
+    caps: Capabilities
 
     def init_grants(self) -> None:
         """At start: whether grants are used here, and this worker's."""
@@ -87,6 +100,9 @@ class Granted:
         self._hold_woke = -1e9
         self._ended: set[str] = set()
         self._grants_on = grants_usable(self.app)
+        self.prefetch_open: int | None = None
+        """The raise the consumer's QoS carries now (`sync_prefetch`); None until
+        `MLWorker._open_prefetch` has seen the consumer's QoS."""
         self.read_grants()
 
     def read_grants(self) -> None:
@@ -98,6 +114,39 @@ class Granted:
             self.mine = GrantBook(self.store).mine(self.hostname)
         except Exception as exc:
             log.warning("ojs-ml: could not read this worker's grants: %s", exc)
+            return
+        self.sync_prefetch()
+
+    def sync_prefetch(self) -> None:
+        """The raise of the consumer's QoS: `ojs_ml_prefetch` while this worker holds no
+        grant; while it holds one, only what keeps one job ready beyond those its pool
+        can run (`granted_raise`; module doc). `c.qos` applies it at its next update."""
+        if self.prefetch_open is None:
+            return
+        want = self.granted_raise() if self.mine else int(self.settings.prefetch)
+        qos = getattr(self.c, "qos", None)
+        have = self.prefetch_open
+        if want == have or qos is None:
+            return
+        if want > have:
+            qos.increment_eventually(want - have)
+        else:
+            qos.decrement_eventually(have - want)
+        self.prefetch_open = want
+
+    def granted_raise(self) -> int:
+        """A grant holder's raise: Celery's own window (processes x prefetch multiplier,
+        celery 5.7 `Consumer._update_prefetch_count`) holds the jobs its processes (at
+        most one per GPU) run plus one ready; it is raised only where it does not, and at
+        most by `ojs_ml_prefetch`. Unknown pool or multiplier: the whole raise."""
+        processes = getattr(getattr(self.c, "pool", None), "num_processes", None)
+        multiplier = getattr(self.c, "prefetch_multiplier", None)
+        prefetch = int(self.settings.prefetch)
+        if not isinstance(processes, int) or not isinstance(multiplier, int):
+            return prefetch
+        gpus = self.caps.gpu_count
+        running = min(processes, gpus) if gpus else processes
+        return max(0, min(prefetch, running + 1 - processes * multiplier))
 
     def grant_current(self, epoch: str) -> bool:
         """Whether `epoch` is one of this worker's grants. An unknown one is read again

@@ -201,10 +201,10 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         (`_take_lease`; a short job, until it ends), so with every prefetch slot
         taken by running jobs a prefetched message would only be read once a job
         ended, too late to start without a gap. `c.qos` is new after every
-        consumer (re)start, hence here."""
-        qos = getattr(c, "qos", None)
-        if self.settings.prefetch and qos is not None:
-            qos.increment_eventually(self.settings.prefetch)
+        consumer (re)start, hence here. A grant holder reads no further than Celery's
+        own window (`Granted.sync_prefetch`)."""
+        self.c, self.prefetch_open = c, 0
+        self.sync_prefetch()
 
     def _start_scheduler(self) -> None:
         """Run a candidate for the fleet scheduler lock (`ojs_ml_scheduler`)."""

@@ -102,6 +102,23 @@ def test_jobs_of_a_granted_class_go_straight_to_the_holder_and_each_runs_once(
     app.close()
 
 
+def test_a_holder_reads_ahead_as_plain_celery_while_it_holds_the_grant_and_more_after(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Granted.sync_prefetch`: `-c 2`, multiplier 1 (the tests' app), 1 GPU: Celery's own
+    window of 2 holds the running job and one ready, so the holder keeps no
+    `ojs_ml_prefetch` raise (default 2) until its grant ends."""
+
+    def window() -> Any:
+        stats = app.control.inspect(timeout=1.0, destination=["one@test"]).stats() or {}
+        return stats.get("one@test", {}).get("prefetch_count")
+
+    with _holder(CONF, redis_url, redis_client, tmp_path, monkeypatch) as (app, store):
+        _wait(lambda: window() == 2, 10, "Celery's own window (2) while the grant is held")
+        redis_client.delete(GrantBook(store).key)  # the grant ends
+        _wait(lambda: window() == 4, 10, "the ojs_ml_prefetch raise (4) once the grant ended")
+
+
 def test_a_job_that_must_wait_ends_the_grant_and_is_not_overtaken_by_the_granted_backlog(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
