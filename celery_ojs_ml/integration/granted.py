@@ -90,7 +90,7 @@ class Granted:
     _grants_read_at: float
     _grants_on: bool
     _hold_woke: float
-    prefetch_open: int | None
+    prefetch_raise: int | None
     caps: Capabilities
 
     def init_grants(self) -> None:
@@ -100,7 +100,7 @@ class Granted:
         self._hold_woke = -1e9
         self._ended: set[str] = set()
         self._grants_on = grants_usable(self.app)
-        self.prefetch_open: int | None = None
+        self.prefetch_raise: int | None = None
         """The raise the consumer's QoS carries now (`sync_prefetch`); None until
         `MLWorker._open_prefetch` has seen the consumer's QoS."""
         self.read_grants()
@@ -121,18 +121,18 @@ class Granted:
         """The raise of the consumer's QoS: `ojs_ml_prefetch` while this worker holds no
         grant; while it holds one, only what keeps one job ready beyond those its pool
         can run (`granted_raise`; module doc). `c.qos` applies it at its next update."""
-        if self.prefetch_open is None:
+        if self.prefetch_raise is None:
             return
         want = self.granted_raise() if self.mine else int(self.settings.prefetch)
         qos = getattr(self.c, "qos", None)
-        have = self.prefetch_open
+        have = self.prefetch_raise
         if want == have or qos is None:
             return
         if want > have:
             qos.increment_eventually(want - have)
         else:
             qos.decrement_eventually(have - want)
-        self.prefetch_open = want
+        self.prefetch_raise = want
 
     def granted_raise(self) -> int:
         """A grant holder's raise: Celery's own window (processes x prefetch multiplier,

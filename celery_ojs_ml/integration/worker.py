@@ -201,9 +201,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         (`_take_lease`; a short job, until it ends), so with every prefetch slot
         taken by running jobs a prefetched message would only be read once a job
         ended, too late to start without a gap. `c.qos` is new after every
-        consumer (re)start, hence here. A grant holder reads no further than Celery's
-        own window (`Granted.sync_prefetch`)."""
-        self.c, self.prefetch_open = c, 0
+        consumer (re)start, hence here. A grant holder keeps only part of the raise, or
+        none (`Granted.sync_prefetch`)."""
+        self.c, self.prefetch_raise = c, 0
         self.sync_prefetch()
 
     def _start_scheduler(self) -> None:

@@ -25,7 +25,7 @@ def _holder(processes: Any, multiplier: Any, gpus: int, prefetch: int = 2) -> Gr
     )
     g.settings = SimpleNamespace(prefetch=prefetch)  # type: ignore[assignment]
     g.caps = SimpleNamespace(gpu_count=gpus)  # type: ignore[assignment]
-    g.mine, g.prefetch_open = {}, 0
+    g.mine, g.prefetch_raise = {}, 0
     return g
 
 
@@ -84,7 +84,7 @@ def test_ojs_ml_prefetch_0_never_raises_the_window() -> None:
 
 def test_nothing_is_changed_before_the_consumer_qos_is_known() -> None:
     g = _holder(2, 4, 8)
-    g.prefetch_open = None  # `init_grants` reads the grants before `_open_prefetch`
+    g.prefetch_raise = None  # `init_grants` reads the grants before `_open_prefetch`
     g.sync_prefetch()
     assert _window(g) == 8
 
