@@ -518,7 +518,7 @@ def paired_ratios(mine: list[dict[str, Any]], base: list[dict[str, Any]]) -> lis
 def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     """A distribution-free interval for the median: the order statistics x(k) and x(n-k+1)
     with the largest k for which Binomial(n, 1/2) puts at most (1 - level) / 2 below k.
-    Needs no assumption about the ratios' spread; with fewer than 6 values it is the range."""
+    Needs no assumption about the ratios' spread; with 8 values or fewer it is the range."""
     xs = sorted(values)
     n = len(xs)
     tail, k, below = (1 - level) / 2, 0, 0.0

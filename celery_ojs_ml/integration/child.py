@@ -187,13 +187,9 @@ def install_cuda_retirement() -> None:
     bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT = max(1, int(total / _EXIT_POLL_S))
 
 
-def pin_devices(task: Any = None, **_: Any) -> None:
-    """`task_prerun`: set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
-    pin_request(getattr(task, "request", None))
-
-
 def pin_request(request: Any) -> None:
-    """`pin_devices` for a task's request (read once: `task.request` is a stack lookup)."""
+    """`task_prerun`, for the task's request (read once: `task.request` is a stack lookup):
+    set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
     if request is None:
         return
     set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (integration.gangs)
@@ -223,13 +219,8 @@ def pinned(devices: Any) -> str:
     return ",".join(tokens[int(d)] for d in devices if 0 <= int(d) < len(tokens))
 
 
-def unpin_devices(task: Any = None, **_: Any) -> None:
-    """`task_postrun`: restore the variable as it was before the task."""
-    unpin_request(getattr(task, "request", None))
-
-
 def unpin_request(request: Any) -> None:
-    """`unpin_devices` for a task's request."""
+    """`task_postrun`, for the task's request: restore the variable as it was before."""
     if request is None:
         return
     restore_env(request)

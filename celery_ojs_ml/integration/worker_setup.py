@@ -199,7 +199,7 @@ def _child_init(**_: Any) -> None:
 
 def _child_prerun(task: Any = None, **_: Any) -> None:
     """`task_prerun` in a pool child: clear the preemption flag, then pin the devices
-    (`child.pin_devices`). One receiver per signal: Celery sends each signal that has
+    (`child.pin_request`). One receiver per signal: Celery sends each signal that has
     receivers once per task, and `task_success` has none (see `_child_postrun`)."""
     reset_flag()
     child.pin_request(getattr(task, "request", None))
@@ -209,7 +209,7 @@ _WATCH: dict[str, Any] = {}
 
 
 def _child_postrun(task: Any = None, retval: Any = None, state: Any = None, **_: Any) -> None:
-    """`task_postrun` in a pool child: restore the environment (`child.unpin_devices`),
+    """`task_postrun` in a pool child: restore the environment (`child.unpin_request`),
     store a gang rank's success (`gangs.store_rank_result`, which Celery's `task_success`
     would carry at the cost of one more signal per task), and in warm mode record the
     device set the child's CUDA came up with (`warm_pool`)."""
