@@ -13,7 +13,10 @@ Key decisions:
   the live registry when the gang is placed.
 - `MASTER_PORT` is drawn afresh for every placement from
   `_PORTS`, so a gang placed again after a failure never meets its old
-  rendezvous still bound on the same host.
+  rendezvous still bound on the same host. The range ends below Linux's default
+  ephemeral ports (`net.ipv4.ip_local_port_range`, 32768-60999; other systems
+  start higher): a port drawn from it was once the local end of some outgoing
+  connection on rank 0's host, and torch's store failed with EADDRINUSE.
 - One rank per worker, so `LOCAL_RANK` is 0 and `LOCAL_WORLD_SIZE` 1.
 """
 
@@ -33,7 +36,9 @@ from celery_ojs_ml.scheduler import Decision, PendingJob
 
 log = logging.getLogger(__name__)
 HEADER_RENDEZVOUS = "ojs_rendezvous"
-_PORTS = (29500, 39500)
+_PORTS = (29500, 32768)
+"""`MASTER_PORT` is drawn from [29500, 32768): torch's default port and up, below the
+ephemeral ports the kernel gives outgoing connections (see the module doc)."""
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -60,7 +65,7 @@ def rendezvous(
     for gid, members in ranks.items():
         head = next((w for j, w in members if j.rank == 0), members[0][1])
         info = (live.get(head) or {}).get("info") or {}
-        port = random.randrange(*_PORTS)
+        port = master_port()
         placement = uuid.uuid4().hex[:12]
         for job, worker in members:
             out[job.task_id] = {
@@ -73,6 +78,11 @@ def rendezvous(
                 "worker": worker,
             }
     return out
+
+
+def master_port() -> int:
+    """A fresh `MASTER_PORT` for one placement of a gang."""
+    return random.randrange(*_PORTS)
 
 
 def env_of(found: Any) -> dict[str, str]:

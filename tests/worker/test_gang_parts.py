@@ -12,7 +12,13 @@ from celery import Celery
 
 from celery_ojs_ml import OJSML
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.gangs import env_of, gang_headers, restore_env, set_env
+from celery_ojs_ml.integration.gangs import (
+    env_of,
+    gang_headers,
+    master_port,
+    restore_env,
+    set_env,
+)
 from celery_ojs_ml.spec.documents import load_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,3 +60,17 @@ def test_a_rank_runs_with_the_env_rendezvous_and_the_environment_is_restored_aft
 def test_a_malformed_rendezvous_header_sets_nothing() -> None:
     assert env_of({"master_addr": "x"}) == {}
     assert env_of("garbage") == {}
+
+
+def test_a_master_port_is_never_one_the_kernel_gives_outgoing_connections() -> None:
+    """A port from the ephemeral range may be the local end of any connection on rank 0's
+    host (a Redis client's, say): torch's store then fails to listen (EADDRINUSE) and the
+    gang is placed again. Linux's default range starts at 32768; this host's is read too."""
+    low, high = 32768, 60999
+    found = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if found.exists():
+        low, high = (int(p) for p in found.read_text().split())
+    drawn = {master_port() for _ in range(5000)}
+    assert all(29500 <= p < 32768 for p in drawn), sorted(drawn)[-3:]
+    assert not [p for p in drawn if low <= p <= high], f"ephemeral range {low}-{high}"
+    assert len(drawn) > 1000, "drawn afresh, not one fixed port"
