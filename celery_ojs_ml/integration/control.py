@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from celery.worker.control import inspect_command
+from celery.worker.control import control_command, inspect_command
 
 
 def _gate(state: Any) -> Any:
@@ -44,3 +44,16 @@ def ojs_ml_allocations(state: Any, **_: Any) -> dict[str, Any]:
         return {"error": "no ojs-ml gate"}
     alloc = gate.snapshot()["allocator"]
     return {k: alloc[k] for k in ("devices", "allocations", "held", "free", "capacity")}
+
+
+@control_command(  # type: ignore[untyped-decorator]
+    args=[("task_id", str), ("placement", str)], signature="<task_id> <placement>"
+)
+def ojs_ml_stop_rank(state: Any, task_id: str, placement: str, **_: Any) -> dict[str, Any]:
+    """OJS ML: stop a gang rank whose placement failed (sent by the rank that failed first)."""
+    from celery_ojs_ml.integration.gangs import stop_rank
+
+    gate = _gate(state)
+    if gate is None:
+        return {"error": "no ojs-ml gate"}
+    return {"ok": "stopping" if stop_rank(gate, task_id, placement) else "not running here"}

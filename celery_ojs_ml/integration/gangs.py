@@ -22,10 +22,12 @@ Key decisions:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
 import socket
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -123,10 +125,27 @@ def restore_env(request: Any) -> None:
 
 
 _GANG_TTL_S = 7 * 86400
+_STOP_WAIT_S = 30.0
+"""How long `ojs_ml_stop_rank` waits for a rank no pool child has taken yet."""
+_STOP_POLL_S = 0.1
 
 
-def gang_crash(store: Any, headers: Mapping[str, Any]) -> int | None:
-    """Count a failed placement of the gang this rank belongs to once; the gang's crashes.
+def record_members(store: Any, found: Mapping[str, Mapping[str, Any]]) -> None:
+    """Keep which worker runs which rank of each placement `rendezvous` made, so that the
+    rank that fails first can stop the others (`stop_peers`)."""
+    members: dict[tuple[str, str], dict[str, str]] = {}
+    for task_id, rdv in found.items():
+        gid, placement = str(rdv["gang"]), str(rdv["placement"])
+        members.setdefault((gid, placement), {})[task_id] = str(rdv["worker"])
+    for (gid, placement), ranks in members.items():
+        key = store.key("gang", gid)
+        store.client.hset(key, f"members:{placement}", json.dumps(ranks))
+        store.client.expire(key, _GANG_TTL_S)
+
+
+def gang_crash(store: Any, headers: Mapping[str, Any]) -> tuple[int, bool] | None:
+    """Count a failed placement of the gang this rank belongs to once: the gang's crashes,
+    and whether this rank is the first to report that placement's failure.
 
     None when `headers` are not a placed gang rank's. The first rank to report a
     placement's failure counts it; the other ranks of that placement (their peer
@@ -138,10 +157,65 @@ def gang_crash(store: Any, headers: Mapping[str, Any]) -> int | None:
         return None
     key = store.key("gang", str(found["gang"]))
     client = store.client
-    if client.hsetnx(key, f"failed:{found['placement']}", 1):
+    first = bool(client.hsetnx(key, f"failed:{found['placement']}", 1))
+    if first:
         client.hincrby(key, "crashes", 1)
         client.expire(key, _GANG_TTL_S)
-    return int(client.hget(key, "crashes") or 0)
+    return int(client.hget(key, "crashes") or 0), first
+
+
+def stop_peers(app: Any, store: Any, headers: Mapping[str, Any], task_id: str) -> None:
+    """The first rank of a placement to fail: ask every other rank's worker to stop its
+    rank (control command `ojs_ml_stop_rank`). A rank blocked in its rendezvous or in a
+    collective would otherwise hold its worker until torch's own timeout (30 minutes by
+    default for gloo) before it fails and the gang can be placed again."""
+    found = headers.get(HEADER_RENDEZVOUS)
+    if not isinstance(found, Mapping):
+        return
+    placement = str(found.get("placement"))
+    try:  # never raises: the failed rank is re-published (or recovered) all the same
+        raw = store.client.hget(store.key("gang", str(found.get("gang"))), f"members:{placement}")
+        ranks: dict[str, str] = json.loads(raw) if raw else {}
+        for peer, worker in ranks.items():
+            if peer == task_id:
+                continue
+            app.control.broadcast(
+                "ojs_ml_stop_rank",
+                arguments={"task_id": peer, "placement": placement},
+                destination=[worker],
+                reply=False,
+            )
+            log.warning("ojs-ml: asked %s to stop gang rank %s (a peer failed)", worker, peer)
+    except Exception as err:
+        log.warning("ojs-ml: could not stop the peers of gang rank %s: %s", task_id, err)
+
+
+def stop_rank(gate: Any, task_id: str, placement: str) -> bool:
+    """`ojs_ml_stop_rank` on this worker: kill the rank `task_id` if it still runs here for
+    `placement` (a later placement of the same id is left alone). Its failure re-publishes
+    it, and the gang is placed again whole once every rank is back."""
+    req = gate._requests.get(task_id)
+    found = None if req is None else req.request_dict.get(HEADER_RENDEZVOUS)
+    if not isinstance(found, Mapping) or str(found.get("placement")) != placement:
+        return False
+    log.warning("ojs-ml: stopping gang rank %s: a peer of its placement failed", task_id)
+    gate.stopping.add(req)  # its failure re-places it, whatever the kill reports
+    _kill_once_started(gate, req, time.monotonic() + _STOP_WAIT_S)
+    return True
+
+
+def _kill_once_started(gate: Any, req: Any, until: float) -> None:
+    """Kill the rank's pool child; a rank no child has taken yet is looked at again shortly."""
+    if gate._requests.get(req.id) is not req:
+        return  # it ended meanwhile
+    pid = getattr(req, "worker_pid", None)
+    if pid is not None:
+        if not gate.kill_child(pid):
+            log.warning("ojs-ml: a non-prefork pool cannot stop gang rank %s", req.id)
+        return
+    timer = getattr(gate.c, "timer", None)
+    if timer is not None and time.monotonic() < until:
+        timer.call_after(_STOP_POLL_S, _kill_once_started, (gate, req, until))
 
 
 def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
@@ -152,10 +226,13 @@ def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
     from celery_ojs_ml.integration.deadletter import republish_request
 
     try:
-        crashes = gang_crash(gate.store, req.request_dict)
-        if crashes is None or crashes > gate.settings.max_crashes:
+        counted = gang_crash(gate.store, req.request_dict)
+        if counted is None or counted[0] > gate.settings.max_crashes:
             return False
+        crashes, first = counted
         republish_request(gate.app, gate.store, req, ojs_crashes=crashes)
+        if first:
+            stop_peers(gate.app, gate.store, req.request_dict, req.id)
     except Exception as err:  # the store or broker is down: fail it as usual, with the reason
         log.warning("ojs-ml: could not re-place gang rank %s: %s", req.id, err)
         return False

@@ -307,6 +307,7 @@ class Gate(LeaseKeeping, granted.Granted):
         _unwrap(req)
         with self.lock:
             self.fenced.discard(req)
+            self.stopping.discard(req)
             if self.allocator.free(req) is None:
                 return
             token = self.tokens.pop(req, None)

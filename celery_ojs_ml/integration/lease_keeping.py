@@ -33,6 +33,7 @@ from celery_ojs_ml.integration.gangs import (
     gang_crash,
     give_up_rank,
     requeue_rank,
+    stop_peers,
 )
 from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter, republish_headers
 from celery_ojs_ml.integration.preemption import UNSTARTED_S, Preemptions
@@ -62,6 +63,7 @@ class LeaseKeeping:
     lock: threading.RLock
     tokens: dict[Any, str]
     fenced: set[Any]
+    stopping: set[Any]
     unacked: dict[Any, bool]
 
     def _job_record(self, req: Any, alloc: Allocation, started_at: float) -> dict[str, Any]:
@@ -235,7 +237,12 @@ class LeaseKeeping:
             self.leases.release(task_id, token)
             return
         counted = gang_crash(self.store, lease["headers"])  # a gang's crash counts once
-        crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1 if counted is None else counted
+        if counted is None:
+            crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
+        else:
+            crashes, first = counted
+            if first and crashes <= self.settings.max_crashes:  # its peers may be blocked
+                stop_peers(self.app, self.store, lease["headers"], task_id)
         if crashes > self.settings.max_crashes:
             dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
             self.leases.release(task_id, token)
@@ -278,6 +285,11 @@ class LeaseKeeping:
                 return None
             exc = getattr(exc_info, "exception", None)
             exc = getattr(exc, "exc", exc)
+            if req in self.stopping and isinstance(exc, BaseException):  # `ojs_ml_stop_rank`
+                self.stopping.discard(req)
+                if requeue_rank(self, req, exc):
+                    return None  # killed because a peer failed: its gang is placed again
+                give_up_rank(self, req, exc)
             if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
                 return self.preemptions.requeue(req, exc)
             terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)

@@ -42,7 +42,7 @@ from celery_ojs_ml.integration.fleet_view import (
     allocated_ids,
     worker_states,
 )
-from celery_ojs_ml.integration.gangs import rendezvous
+from celery_ojs_ml.integration.gangs import record_members, rendezvous
 from celery_ojs_ml.integration.granting import Granting
 from celery_ojs_ml.integration.intake import HEADER_WAKE, Intake
 from celery_ojs_ml.integration.lane import Lane
@@ -274,6 +274,8 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
             self.store.client.set(key, json.dumps(decision.budgets), px=60_000)
         jobs = {j.task_id: j for j in waiting}
         self._rendezvous = rendezvous(decision, jobs, live)
+        if self._rendezvous:
+            record_members(self.store, self._rendezvous)
         self._escalations(decision, jobs)
         blocked = self._contested(decision, jobs, fleet, records)
         self._revoke_contested(blocked, reserving, decision, jobs)

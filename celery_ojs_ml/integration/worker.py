@@ -118,6 +118,8 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
         self.tokens: dict[Any, str] = {}
         self.fenced: set[Any] = set()
         """Requests whose lease another worker took over; their copy is being stopped."""
+        self.stopping: set[Any] = set()
+        """Gang ranks being stopped because a peer of their placement failed (`gangs`)."""
         self.unacked: dict[Any, bool] = {}
         """Running requests whose lease write failed: their message is acked when they end."""
         self._timers: list[Any] = []

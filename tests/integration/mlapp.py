@@ -268,6 +268,21 @@ def _define_training_tasks(app: Celery, results_url: str) -> None:
 
 
 def _define_gang_tasks(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="ml.gang_stuck", shared=False, ml={"ext_ml_cpu_cores": 1})
+    def gang_stuck(self: Any, hold_s: float) -> dict[str, Any]:
+        """A gang rank whose first placement fails: rank 0 raises at once, as when its
+        store cannot listen; the others block for `hold_s`, as a rendezvous waits for a peer
+        that is gone. Placed again, every rank returns at once."""
+        crashes = int(getattr(self.request, "ojs_crashes", 0) or 0)
+        rank = int(os.environ["RANK"])
+        run = {"rank": rank, "crashes": crashes, "worker": getattr(self.request, "ojs_node", None)}
+        _record(results_url, {"tag": "gang-stuck", "t": time.time(), **run})
+        if crashes == 0:
+            if rank == 0:
+                raise RuntimeError("rank 0 could not open its rendezvous")
+            time.sleep(hold_s)
+        return run
+
     @app.task(bind=True, name="ml.allreduce", shared=False, ml={"ext_ml_cpu_cores": 1})
     def allreduce(self: Any, pause_s: float = 0.0) -> dict[str, Any]:
         """One rank of a 2-rank gloo all-reduce: each adds RANK + 1."""

@@ -125,6 +125,35 @@ def test_a_gang_whose_rank_worker_is_sigkilled_is_placed_again_whole_and_resumes
     app.close()
 
 
+def test_when_a_rank_fails_first_its_peers_are_stopped_and_the_gang_is_placed_again_at_once(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Rank 0 fails before the rendezvous; rank 1 would block 300 s (torch's gloo waits 30
+    minutes by default). The first rank to fail asks rank 1's worker to stop it
+    (`ojs_ml_stop_rank`), so the gang is placed again whole within seconds, the crash
+    counted once."""
+    store = OJSStore(redis_client, prefix="ojs")
+    app = make_app(redis_url)
+    workers = [
+        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env=ENV)
+        for n in ("a", "b")
+    ]  # fmt: skip
+    with running(workers, store):
+        t0 = time.time()
+        ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
+        found = ranks.get(timeout=60)  # far below the 300 s the stuck rank would hold
+        took = time.time() - t0
+        logs = "".join(w.output() for w in workers)
+    runs = [r for r in _results(redis_client) if r["tag"] == "gang-stuck"]
+    assert sorted((r["rank"], r["crashes"]) for r in found) == [(0, 1), (1, 1)], found
+    first = sorted((r["rank"], r["crashes"]) for r in runs if r["crashes"] == 0)
+    assert first == [(0, 0), (1, 0)], f"both ranks of the first placement ran: {runs}"
+    assert "stopping gang rank" in logs, logs[-3000:]
+    assert took < 60, took
+    app.close()
+
+
 def _wait_runs(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -18,6 +18,7 @@ from celery_ojs_ml.integration.gangs import (
     master_port,
     restore_env,
     set_env,
+    stop_rank,
 )
 from celery_ojs_ml.spec.documents import load_text
 
@@ -74,3 +75,40 @@ def test_a_master_port_is_never_one_the_kernel_gives_outgoing_connections() -> N
     assert all(29500 <= p < 32768 for p in drawn), sorted(drawn)[-3:]
     assert not [p for p in drawn if low <= p <= high], f"ephemeral range {low}-{high}"
     assert len(drawn) > 1000, "drawn afresh, not one fixed port"
+
+
+class _Request:
+    """A running rank's request (hashable, as Celery's are)."""
+
+    def __init__(self, placement: str, pid: int | None) -> None:
+        self.id, self.worker_pid = "t1", pid
+        rdv = {"gang": "gang-x", "placement": placement, "rank": 1, "world_size": 2}
+        self.request_dict = {"ojs_rendezvous": rdv}
+
+
+class _Gate:
+    """What `stop_rank` reads of a worker: its running requests, `stopping`, `kill_child`."""
+
+    def __init__(self, req: _Request) -> None:
+        self._requests = {req.id: req}
+        self.stopping: set[object] = set()
+        self.killed: list[int] = []
+        self.c = SimpleNamespace(timer=None)
+
+    def kill_child(self, pid: int) -> bool:
+        self.killed.append(pid)
+        return True
+
+
+def _rank(placement: str, pid: int | None = 4242) -> _Request:
+    return _Request(placement, pid)
+
+
+def test_a_stop_for_a_rank_kills_its_child_only_when_it_runs_for_that_placement() -> None:
+    req = _rank("p-new")
+    gate = _Gate(req)
+    assert not stop_rank(gate, "t1", "p-old"), "a later placement of the same id is left alone"
+    assert gate.killed == [] and gate.stopping == set()
+    assert not stop_rank(gate, "other", "p-new")
+    assert stop_rank(gate, "t1", "p-new")
+    assert gate.killed == [4242] and req in gate.stopping, "its failure re-places it"
