@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.errors import OJSMLError, SpecError, Violation
 from celery_ojs_ml.integration.fleet_view import _MAX_GANG, HEADER_GANG
 from celery_ojs_ml.scheduler import Decision, PendingJob
 
@@ -125,6 +125,17 @@ def restore_env(request: Any) -> None:
 
 
 _GANG_TTL_S = 7 * 86400
+STOPPED = (
+    "a peer of this gang rank's placement failed, and the gang has crashed more than "
+    "ojs_ml_max_crashes times, so it is not placed again; the peer's result says why"
+)
+"""The failure a stopped rank of a gang that is not placed again is stored with."""
+
+
+class GangFailed(OJSMLError):
+    """A gang rank ends because its gang failed (`STOPPED`)."""
+
+
 _STOP_WAIT_S = 30.0
 """How long `ojs_ml_stop_rank` waits for a rank no pool child has taken yet."""
 _STOP_POLL_S = 0.1
@@ -227,12 +238,14 @@ def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
 
     try:
         counted = gang_crash(gate.store, req.request_dict)
-        if counted is None or counted[0] > gate.settings.max_crashes:
+        if counted is None:
             return False
         crashes, first = counted
-        republish_request(gate.app, gate.store, req, ojs_crashes=crashes)
-        if first:
+        if first:  # its peers may be blocked in the rendezvous or a collective: stop them
             stop_peers(gate.app, gate.store, req.request_dict, req.id)
+        if crashes > gate.settings.max_crashes:
+            return False  # the gang fails: so do its stopped peers (they give up too)
+        republish_request(gate.app, gate.store, req, ojs_crashes=crashes)
     except Exception as err:  # the store or broker is down: fail it as usual, with the reason
         log.warning("ojs-ml: could not re-place gang rank %s: %s", req.id, err)
         return False

@@ -30,6 +30,8 @@ from celery_ojs_ml.allocator import Allocation, Allocator
 from celery_ojs_ml.integration.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.integration.gangs import (
     HEADER_RENDEZVOUS,
+    STOPPED,
+    GangFailed,
     gang_crash,
     give_up_rank,
     requeue_rank,
@@ -241,7 +243,7 @@ class LeaseKeeping:
             crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
         else:
             crashes, first = counted
-            if first and crashes <= self.settings.max_crashes:  # its peers may be blocked
+            if first:  # its peers may be blocked in the rendezvous or a collective
                 stop_peers(self.app, self.store, lease["headers"], task_id)
         if crashes > self.settings.max_crashes:
             dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
@@ -287,9 +289,10 @@ class LeaseKeeping:
             exc = getattr(exc, "exc", exc)
             if req in self.stopping and isinstance(exc, BaseException):  # `ojs_ml_stop_rank`
                 self.stopping.discard(req)
-                if requeue_rank(self, req, exc):
-                    return None  # killed because a peer failed: its gang is placed again
-                give_up_rank(self, req, exc)
+                if not requeue_rank(self, req, exc):  # else its gang is placed again
+                    give_up_rank(self, req, GangFailed(STOPPED))  # FAILURE, not the kill's REVOKED
+                    worker_state.task_ready(req)
+                return None
             if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
                 return self.preemptions.requeue(req, exc)
             terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)

@@ -154,6 +154,35 @@ def test_when_a_rank_fails_first_its_peers_are_stopped_and_the_gang_is_placed_ag
     app.close()
 
 
+def test_a_gang_past_its_crash_limit_fails_every_rank_at_once_with_the_reason(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """`ojs_ml_max_crashes` 0: rank 0's failure ends the gang. Rank 1, which would block
+    300 s, is stopped too and fails with a reason that names the limit, not REVOKED."""
+    store = OJSStore(redis_client, prefix="ojs")
+    conf = json.dumps({"ojs_ml_advertise_address": "127.0.0.1", "ojs_ml_max_crashes": 0})
+    env = {**ENV, "OJS_TEST_CONF": conf}
+    app = make_app(redis_url)
+    workers = [
+        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env=env)
+        for n in ("a", "b")
+    ]  # fmt: skip
+    with running(workers, store):
+        ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
+        deadline = time.monotonic() + 60  # far below the 300 s the stuck rank would hold
+        while not all(r.state == "FAILURE" for r in ranks.results):
+            states = [r.state for r in ranks.results]
+            assert time.monotonic() < deadline, (states, workers[1].output()[-3000:])
+            time.sleep(0.2)
+        first, second = (str(r.result) for r in ranks.results)
+    assert "could not open its rendezvous" in first, first
+    assert "ojs_ml_max_crashes" in second, second
+    runs = [r for r in _results(redis_client) if r["tag"] == "gang-stuck"]
+    assert sorted(r["rank"] for r in runs) == [0, 1], f"placed once only: {runs}"
+    app.close()
+
+
 def _wait_runs(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
