@@ -38,11 +38,7 @@ def test_a_two_rank_gang_runs_at_once_on_distinct_workers_and_all_reduces_the_ri
 ) -> None:
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url, ojs_ml_advertise_address="127.0.0.1")
-    workers = [
-        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
-                      extra_env=ENV)
-        for n in ("a", "b")
-    ]  # fmt: skip
+    workers = _two_workers(redis_url, tmp_path, ENV)
     with running(workers, store):
         ranks = app.ojs_ml.gang(app.tasks["ml.allreduce"].s(0.2), 2)
         found = ranks.get(timeout=90)
@@ -134,11 +130,7 @@ def test_when_a_rank_fails_first_its_peers_are_stopped_and_the_gang_is_placed_ag
     counted once."""
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
-    workers = [
-        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
-                      extra_env=ENV)
-        for n in ("a", "b")
-    ]  # fmt: skip
+    workers = _two_workers(redis_url, tmp_path, ENV)
     with running(workers, store):
         t0 = time.time()
         ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
@@ -163,11 +155,7 @@ def test_a_gang_past_its_crash_limit_fails_every_rank_at_once_with_the_reason(
     conf = json.dumps({"ojs_ml_advertise_address": "127.0.0.1", "ojs_ml_max_crashes": 0})
     env = {**ENV, "OJS_TEST_CONF": conf}
     app = make_app(redis_url)
-    workers = [
-        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
-                      extra_env=env)
-        for n in ("a", "b")
-    ]  # fmt: skip
+    workers = _two_workers(redis_url, tmp_path, env)
     with running(workers, store):
         ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
         deadline = time.monotonic() + 60  # far below the 300 s the stuck rank would hold
@@ -181,6 +169,15 @@ def test_a_gang_past_its_crash_limit_fails_every_rank_at_once_with_the_reason(
     runs = [r for r in _results(redis_client) if r["tag"] == "gang-stuck"]
     assert sorted(r["rank"] for r in runs) == [0, 1], f"placed once only: {runs}"
     app.close()
+
+
+def _two_workers(redis_url: str, tmp_path: Path, env: dict[str, str]) -> list[WorkerProcess]:
+    """Workers a and b, each an A100x2 with two processes."""
+    return [
+        WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
+                      extra_env=env)
+        for n in ("a", "b")
+    ]  # fmt: skip
 
 
 def _wait_runs(client: redis.Redis, n: int, timeout_s: float) -> list[dict[str, Any]]:
