@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import socket
-import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -136,11 +135,6 @@ class GangFailed(OJSMLError):
     """A gang rank ends because its gang failed (`STOPPED`)."""
 
 
-_STOP_WAIT_S = 30.0
-"""How long `ojs_ml_stop_rank` waits for a rank no pool child has taken yet."""
-_STOP_POLL_S = 0.1
-
-
 def record_members(store: Any, found: Mapping[str, Mapping[str, Any]]) -> None:
     """Keep which worker runs which rank of each placement `rendezvous` made, so that the
     rank that fails first can stop the others (`stop_peers`)."""
@@ -211,22 +205,8 @@ def stop_rank(gate: Any, task_id: str, placement: str) -> bool:
         return False
     log.warning("ojs-ml: stopping gang rank %s: a peer of its placement failed", task_id)
     gate.stopping.add(req)  # its failure re-places it, whatever the kill reports
-    _kill_once_started(gate, req, time.monotonic() + _STOP_WAIT_S)
+    gate.stop_child(req)
     return True
-
-
-def _kill_once_started(gate: Any, req: Any, until: float) -> None:
-    """Kill the rank's pool child; a rank no child has taken yet is looked at again shortly."""
-    if gate._requests.get(req.id) is not req:
-        return  # it ended meanwhile
-    pid = getattr(req, "worker_pid", None)
-    if pid is not None:
-        if not gate.kill_child(pid):
-            log.warning("ojs-ml: a non-prefork pool cannot stop gang rank %s", req.id)
-        return
-    timer = getattr(gate.c, "timer", None)
-    if timer is not None and time.monotonic() < until:
-        timer.call_after(_STOP_POLL_S, _kill_once_started, (gate, req, until))
 
 
 def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:

@@ -163,25 +163,31 @@ class LeaseKeeping:
                     req.id,
                     pid,
                 )
-                if pid is None and self.prefork:
-                    self._kill_once_accepted(req, time.monotonic() + _ACCEPT_WAIT_S)
-                elif not self.kill_child(pid):
-                    log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
+                self.stop_child(req)
+
+    def stop_child(self, req: Any) -> None:
+        """Kill the pool child running `req`, a request in `fenced` or `stopping` (a gang
+        rank whose peer failed): now, or once the child reports it started."""
+        pid = getattr(req, "worker_pid", None)
+        if pid is None and self.prefork:
+            self._kill_once_accepted(req, time.monotonic() + _ACCEPT_WAIT_S)
+        elif not self.kill_child(pid):
+            log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
 
     def _kill_once_accepted(self, req: Any, until: float) -> None:
-        """Kill a fenced copy whose child has not reported it started yet (no pid: the
-        worker stalled between writing the lease and reading the child's ack); the event
-        loop reads that ack soon after the stall ends. As `Preemptions.hard_kill` waits for
-        an unstarted victim, it looks again every `UNSTARTED_S`."""
+        """Kill a copy being stopped whose child has not reported it started yet (no pid:
+        for a fenced copy, the worker stalled between writing the lease and reading the
+        child's ack); the event loop reads that ack soon. As `Preemptions.hard_kill` waits
+        for an unstarted victim, it looks again every `UNSTARTED_S`."""
         pid = getattr(req, "worker_pid", None)
-        if req not in self.fenced:
-            return  # it ended meanwhile (its failure path discarded it)
+        if req not in self.fenced and req not in self.stopping:
+            return  # it ended meanwhile (its failure path or release discarded it)
         if pid is not None:
             self.kill_child(pid)
             return
         timer = getattr(self.c, "timer", None)
         if timer is None or time.monotonic() > until:
-            log.warning("ojs-ml: the fenced copy of %s never reported its process", req.id)
+            log.warning("ojs-ml: the stopped copy of %s never reported its process", req.id)
             return
         timer.call_after(UNSTARTED_S, self._kill_once_accepted, (req, until))
 

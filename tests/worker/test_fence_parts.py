@@ -26,6 +26,7 @@ class _Keeper(LeaseKeeping):
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.fenced = set()
+        self.stopping = set()
         self.prefork = True
         self.killed: list[int | None] = []
         self.c = SimpleNamespace(timer=_Timer())

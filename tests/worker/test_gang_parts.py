@@ -95,9 +95,9 @@ class _Gate:
         self.killed: list[int] = []
         self.c = SimpleNamespace(timer=None)
 
-    def kill_child(self, pid: int) -> bool:
-        self.killed.append(pid)
-        return True
+    def stop_child(self, req: _Request) -> None:
+        assert req.worker_pid is not None
+        self.killed.append(req.worker_pid)
 
 
 def _rank(placement: str, pid: int | None = 4242) -> _Request:
