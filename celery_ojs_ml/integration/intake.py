@@ -55,6 +55,7 @@ class Intake:
     admission: Admission
     intake: str
     _intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]]
+    _admitted_late: bool
     _conn: Any
     _consumer: Any
     _producer: Any
@@ -121,6 +122,9 @@ class Intake:
         self._intake = []
 
         def done(reply: Any) -> None:
+            # The server did not hold the script (a new leader's first admission, a Redis
+            # restart): `finish` admits them now, after the reads that were to see them.
+            self._admitted_late = isinstance(reply, Exception)
             finish(reply)
             for *_, message in batch:  # acked only once stored: a crash before redelivers
                 message.ack()

@@ -65,6 +65,7 @@ class PassInputs:
     ledger: Ledger
     _starts: dict[str, float | None]
     _intake: list[Any]
+    _admitted_late: bool
     _admit: Callable[[], None]
     _admission: Callable[[Any], Callable[[Any], None] | None]
     _jobs: LRU[tuple[str, str, str], PendingJob | None]
@@ -89,15 +90,20 @@ class PassInputs:
             self._fresh = None if reads is None else set(reads.changed)
         else:
             self._fresh |= reads.changed
-        if self._intake:  # not admitted with the reads (no Lua): now, and pass again soon
+        # Jobs admitted after the reads (not with them: no Lua, or the script was not
+        # loaded yet) are not in them: pass again at once, and this pass's fleet is no
+        # quiet one for the lane, or the next arrival would go ahead of them.
+        late, self._admitted_late = self._admitted_late, False
+        if self._intake:
             self._admit()
-            self._dirty = self._dirty or reads is not None
+            late = late or reads is not None
+        self._dirty = self._dirty or late
         if reads is None:  # no Lua on the store: one read after another
             records, reserving = self.view.records(), self._any_reservations()
         else:
             records, reserving = self.view.records((reads.index, reads.changed)), reads.reserving
         if not records and not reserving:
-            if reads is not None:
+            if reads is not None and not late:
                 self._quiet(reads.workers, reads.leases)
             return None
         if reads is None:

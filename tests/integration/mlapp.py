@@ -24,6 +24,7 @@ from celery_ojs_ml import OJSML
 from celery_ojs_ml.testing import fake_cuda
 
 RESULTS_KEY = "ojs-test:results"
+HOLD_KEY = "ojs-test:release:"
 _CUDA_LOCK = threading.RLock()
 _FIRST_GPU_USE: dict[str, Any] = {}
 """Per process: the CUDA_VISIBLE_DEVICES seen at the process's first GPU use."""
@@ -94,6 +95,7 @@ def make_app(broker: str, **conf: Any) -> Celery:
     _define_tasks(app, results_url)
     _define_plain_tasks(app, results_url)
     _define_gang_tasks(app, results_url)
+    _define_hold_task(app, results_url)
     return app
 
 
@@ -405,6 +407,23 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
     def dedup_echo(self: Any, x: int) -> dict[str, Any]:
         """An inference request deduplicated for 3 s (OJS ML §14.6)."""
         entry = {"tag": "dedup", "task_id": self.request.id, "x": x, "y": x * 10}
+        _record(results_url, entry)
+        return entry
+
+
+def _define_hold_task(app: Celery, results_url: str) -> None:
+    @app.task(bind=True, name="ml.hold", shared=False, ml={"ext_ml_gpu_count": 1})
+    def hold(self: Any, tag: str, limit_s: float = 60.0) -> dict[str, Any]:
+        """Holds its GPU until the test sets `HOLD_KEY + tag` (or `limit_s` passes), so a
+        test orders events by what it saw, not by a sleep that a loaded machine outruns."""
+        start = time.time()
+        client = redis.Redis.from_url(results_url)
+        try:
+            while not client.exists(HOLD_KEY + tag) and time.time() - start < limit_s:
+                time.sleep(0.02)
+        finally:
+            client.close()
+        entry = {"tag": tag, "task_id": self.request.id, "start": start, "end": time.time()}
         _record(results_url, entry)
         return entry
 

@@ -192,6 +192,9 @@ def test_jobs_queued_on_a_grant_holder_that_dies_run_elsewhere_exactly_once(
 SHORT_WAIT = json.dumps(
     {"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True, "ojs_ml_grant_wait_s": 1}
 )
+DRAIN_WAIT = json.dumps(
+    {"ojs_ml_heartbeat_s": 0.5, "ojs_ml_grants": True, "ojs_ml_grant_wait_s": 2}
+)
 
 
 def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_and_is_annotated(
@@ -227,16 +230,17 @@ def test_a_granted_job_that_waits_past_grant_wait_s_goes_back_to_the_scheduler_a
 def test_a_holder_draining_a_burst_longer_than_grant_wait_s_keeps_its_grant(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """60 jobs of 0.05 s on a 1-GPU holder take about 3 s, three times the bound; jobs
+    """120 jobs of 0.05 s on a 1-GPU holder take about 6 s, three times the 2 s bound; jobs
     keep starting there, so the holder is draining, not blocked: every job runs under
-    the grant, once."""
-    with _holder(SHORT_WAIT, redis_url, redis_client, tmp_path, monkeypatch) as (app, _store):
+    the grant, once. (With a 1 s bound a loaded CI machine stalled the worker past it
+    once, and the leader rightly took the backlog back.)"""
+    with _holder(DRAIN_WAIT, redis_url, redis_client, tmp_path, monkeypatch) as (app, _store):
         record = app.tasks["ml.record"]
-        ids = [record.apply_async(args=[f"b{n}", 0.05], headers=SPOT).id for n in range(60)]
-        _wait(lambda: all(_result(redis_client, t) for t in ids), 90, "every job")
+        ids = [record.apply_async(args=[f"b{n}", 0.05], headers=SPOT).id for n in range(120)]
+        _wait(lambda: all(_result(redis_client, t) for t in ids), 120, "every job")
     done = {r["task_id"]: r for r in _results(redis_client)}
     last = max(done[t]["start"] for t in ids) - min(done[t]["start"] for t in ids)
-    assert last > 1.0, f"the burst drained in {last:.2f} s: not longer than the bound"
+    assert last > 2.0, f"the burst drained in {last:.2f} s: not longer than the bound"
     back = [t for t in ids if not done[t]["grant"]]
     assert not back, f"{len(back)} jobs were taken back from a draining holder"
 

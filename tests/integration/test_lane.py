@@ -160,6 +160,27 @@ def test_a_job_that_cannot_start_now_is_left_to_a_full_pass_which_says_why_it_wa
     assert _delivered(redis_client, BIG) == [] and _delivered(redis_client, SMALL) == []
 
 
+def test_a_job_admitted_after_a_pass_read_the_fleet_is_not_overtaken_by_the_next_arrival(
+    fleet: tuple[Celery, FleetScheduler], redis_client: redis.Redis
+) -> None:
+    """Policy rule 1 (order). A new leader's first admission (or any after a Redis restart)
+    finds the server without the script and admits the arrivals after the pass's reads.
+    That pass saw nothing waiting; had it kept its fleet as quiet, the next arrival would
+    have taken the lane to the GPUs the earlier job waits for."""
+    app, leader = fleet
+    redis_client.script_flush()  # as on a restarted server, or before a first use
+    first = app.tasks["lane.eight"].apply_async()
+    leader.step(1.0)  # the leader's first pass: no lane yet, a full pass
+    assert _placed(leader, first.id) == ("pending", None), "admitted, not yet decided"
+    assert leader._lane is None, "a pass that admitted jobs after its reads is not quiet"
+    assert leader._dirty, "the late jobs are decided by a pass at once"
+    second = app.tasks["lane.eight"].apply_async()
+    leader.step(1.0)
+    leader.step(0)
+    assert _placed(leader, first.id) == ("assigned", BIG), "the first arrival goes first"
+    assert _placed(leader, second.id) == ("pending", None), "the later one waits for it"
+
+
 @pytest.mark.parametrize(
     ("conf", "lane"),
     [

@@ -13,7 +13,7 @@ import redis
 
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
-from tests.integration.mlapp import RESULTS_KEY, make_app
+from tests.integration.mlapp import HOLD_KEY, RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
 pytestmark = pytest.mark.integration
@@ -190,20 +190,22 @@ def test_prioritize_moves_a_prefetched_job_ahead_of_those_prefetched_before_it(
     app = make_app(redis_url)
     record = app.tasks["ml.record"]
     book = PendingBook(OJSStore(redis_client, prefix="ojs"))
-    env = {"OJS_TEST_CONF": json.dumps({"ojs_ml_prefetch": 3})}
+    # The blocker holds the GPU until the test releases it; its time limit (20 s) puts
+    # the jobs' planned start within half of ojs_ml_max_hold_s, so they go ahead.
+    conf = {"ojs_ml_prefetch": 3, "ojs_ml_max_hold_s": 60}
+    env = {"OJS_TEST_CONF": json.dumps(conf)}
     worker = WorkerProcess("a", redis_url, "profile:nvidia-a100x1", tmp_path, concurrency=2,
                            extra_env=env)  # fmt: skip
     with running([worker], OJSStore(redis_client, prefix="ojs")):
-        blocker = record.apply_async(
-            args=["blocker", 2.0], headers={"ext_ml_timeout_seconds": 4}
-        ).id
+        hold = app.tasks["ml.hold"]
+        blocker = hold.apply_async(args=["blocker"], headers={"ext_ml_timeout_seconds": 20}).id
         time.sleep(0.5)
         first, second, last = (record.apply_async(args=[t, 0.1]).id for t in "abc")
-        deadline = time.monotonic() + 10
-        while (book.get(last) or {}).get("state") != "assigned":
-            assert time.monotonic() < deadline, book.get(last)
-            time.sleep(0.05)
+        token = _wait_assigned(book, last, None)
         assert app.ojs_ml.prioritize(last, 9), "an assigned job not started yet is reordered"
+        _wait_assigned(book, last, token)  # taken back and delivered again, newly ordered
+        time.sleep(1.0)  # the new delivery reaches the gate (the blocker holds the GPU)
+        redis_client.set(HOLD_KEY + "blocker", 1)
         deadline = time.monotonic() + 30
         while redis_client.llen(RESULTS_KEY) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -379,3 +381,14 @@ def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_ea
     assert abs(now["t_estimate"] - runs[second.id]["start"]) <= 1.0, (now, runs[second.id])
     assert runs[second.id]["start"] >= runs[short.id]["end"] - 0.05, "it did not wait for short"
     app.close()
+
+
+def _wait_assigned(book: PendingBook, task_id: str, old_token: str | None) -> str:
+    """The job's token once it is assigned under a token other than `old_token`."""
+    deadline = time.monotonic() + 20
+    while True:
+        record = book.get(task_id) or {}
+        if record.get("state") == "assigned" and record.get("token") != old_token:
+            return str(record["token"])
+        assert time.monotonic() < deadline, record
+        time.sleep(0.02)
