@@ -233,15 +233,23 @@ def requeue_rank(gate: Any, req: Any, exc: BaseException) -> bool:
     log.warning(
         "ojs-ml: gang rank %s failed (%r); re-placing its gang (crash %d)", req.id, exc, crashes
     )
+    # Flower sees a retry, as for a preempted job: the rank is received again when re-placed
+    req.send_event(
+        "task-retried", exception=f"GangReplaced({type(exc).__name__}, crashes={crashes})"
+    )
     return True
 
 
-def give_up_rank(gate: Any, req: Any, exc: Any) -> None:
-    """Store the FAILURE of a rank not placed again (its child stored no result)."""
+def give_up_rank(gate: Any, req: Any, exc: Any, *, event: bool = False) -> None:
+    """Store the FAILURE of a rank not placed again (its child stored no result); with
+    `event`, send its `task-failed` too (a stopped rank: Celery's own failure handling,
+    which sends it, is bypassed, or the kill would show as REVOKED)."""
     try:
         gate.app.backend.store_result(req.id, exc, "FAILURE")
     except Exception as err:
         log.warning("ojs-ml: could not store the failure of gang rank %s: %s", req.id, err)
+    if event:
+        req.send_event("task-failed", exception=repr(exc), traceback="")
 
 
 def store_rank_result(sender: Any = None, result: Any = None, **_: Any) -> None:

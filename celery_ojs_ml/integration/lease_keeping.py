@@ -125,9 +125,9 @@ class LeaseKeeping:
         try:
             with self.lock:
                 self.writer.flush(wait=True)  # queued takes first, or they would look lost
-                mine = {
-                    req.id: token for req, token in self.tokens.items() if req not in self.unacked
-                }
+                mine, older = self._held_leases()
+            if older:  # a newer copy of the same job started here: it was re-published
+                self._fence_requests(older, "a newer copy of it started on this worker")
             taken, missing = self.leases.refresh(mine)
             if missing:
                 self._lease_missing(set(missing))
@@ -140,6 +140,21 @@ class LeaseKeeping:
         except Exception as exc:
             log.warning("ojs-ml: lease upkeep failed: %s", exc)
 
+    def _held_leases(self) -> tuple[dict[str, str], list[Any]]:
+        """The lease token of each job running here (the newest copy's, under `lock`), and
+        the older copies of a job that started here again: a job is re-published only once
+        taken from its copy (a claim, a preemption, a failed gang), so they are stale."""
+        mine: dict[str, str] = {}
+        newest: dict[str, Any] = {}
+        older: list[Any] = []
+        for req, token in self.tokens.items():
+            if req in self.unacked:
+                continue
+            if req.id in newest:
+                older.append(newest[req.id])
+            newest[req.id], mine[req.id] = req, token
+        return mine, older
+
     def fence(self, task_ids: set[str]) -> None:
         """Stop our copies of jobs whose lease another worker took over (invariant 5).
 
@@ -151,16 +166,24 @@ class LeaseKeeping:
         that took over is the one that counts.
         """
         with self.lock:
-            found = [req for req in self.tokens if req.id in task_ids and req not in self.fenced]
-            for req in found:
+            found = [req for req in self.tokens if req.id in task_ids]
+        self._fence_requests(found, "this one stalled longer than ojs_ml_lease_ttl_s")
+
+    def _fence_requests(self, reqs: list[Any], why: str) -> None:
+        """Stop these copies (`fence`): their job runs, or is to run, elsewhere."""
+        with self.lock:
+            for req in reqs:
+                if req in self.fenced:
+                    continue
                 self.fenced.add(req)
                 self.tokens.pop(req, None)  # no longer ours to refresh or release
                 pid = getattr(req, "worker_pid", None)
                 log.warning(
-                    "ojs-ml: the lease of %s[%s] was taken over by another worker (this one "
-                    "stalled longer than ojs_ml_lease_ttl_s); stopping this copy (pid %s)",
+                    "ojs-ml: the lease of %s[%s] was taken over by another worker (%s); "
+                    "stopping this copy (pid %s)",
                     req.name,
                     req.id,
+                    why,
                     pid,
                 )
                 self.stop_child(req)
@@ -212,7 +235,10 @@ class LeaseKeeping:
             found = [(req, tok) for req, tok in self.tokens.items() if req.id in task_ids]
         for req, token in found:
             if self._already_finished(req.id):
-                self.fence({req.id})
+                self._fence_requests([req], "it has finished there")
+                continue
+            if self.leases.was_taken_back(req.id, token):  # re-published while we stalled
+                self._fence_requests([req], "this one stalled longer than ojs_ml_lease_ttl_s")
                 continue
             alloc = next((a for a in self.allocator.allocations() if a.key is req), None)
             if alloc is None:
@@ -251,6 +277,9 @@ class LeaseKeeping:
             crashes, first = counted
             if first:  # its peers may be blocked in the rendezvous or a collective
                 stop_peers(self.app, self.store, lease["headers"], task_id)
+        # Once the lease is released, a copy still running on a stalled worker must not
+        # take it for lost with the store and write it again: it would run on.
+        self.leases.mark_taken_back(task_id, lease.get("token"))
         if crashes > self.settings.max_crashes:
             dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
             self.leases.release(task_id, token)
@@ -296,7 +325,7 @@ class LeaseKeeping:
             if req in self.stopping and isinstance(exc, BaseException):  # `ojs_ml_stop_rank`
                 self.stopping.discard(req)
                 if not requeue_rank(self, req, exc):  # else its gang is placed again
-                    give_up_rank(self, req, GangFailed(STOPPED))  # FAILURE, not the kill's REVOKED
+                    give_up_rank(self, req, GangFailed(STOPPED), event=True)  # not REVOKED
                     worker_state.task_ready(req)
                 return None
             if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):

@@ -59,6 +59,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _RETRIES = 16
+TAKEN_BACK_TTL_S = 7 * 24 * 3600
+"""How long a claimer's mark that a copy was re-published stays (`mark_taken_back`): longer
+than any worker could stall and come back with its copy still running."""
 _NO_SCRIPTING = NO_SCRIPTING
 
 
@@ -115,6 +118,21 @@ class LeaseBook:
         token, lease = self.new_lease(record, token)
         self.write_batch([lease], [])
         return token
+
+    def mark_taken_back(self, task_id: str, token: str | None) -> None:
+        """Remember that the copy holding lease `token` was re-published (or dead-lettered)
+        by a claimer, for `TAKEN_BACK_TTL_S`: the claimer then deletes the lease, and a
+        worker that stalled past the TTL would else find it missing, write it again and
+        run its copy beside the new one (`was_taken_back`)."""
+        if token:
+            self._r.set(self._taken_key(task_id, token), 1, ex=TAKEN_BACK_TTL_S)
+
+    def was_taken_back(self, task_id: str, token: str) -> bool:
+        """Whether the copy with lease `token` was re-published by a claimer."""
+        return bool(self._r.exists(self._taken_key(task_id, token)))
+
+    def _taken_key(self, task_id: str, token: str) -> str:
+        return self.store.key("lease-taken", task_id, token)
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The lease of a job, or None."""

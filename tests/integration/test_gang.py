@@ -20,7 +20,7 @@ import redis
 from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
-from tests.integration.workers import WorkerProcess, running
+from tests.integration.workers import EventLog, WorkerProcess, running
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("torch")
@@ -130,17 +130,22 @@ def test_when_a_rank_fails_first_its_peers_are_stopped_and_the_gang_is_placed_ag
     counted once."""
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
-    workers = _two_workers(redis_url, tmp_path, ENV)
-    with running(workers, store):
+    workers = _two_workers(redis_url, tmp_path, ENV, "-E")
+    events = EventLog(app, ("task-retried",), lambda seen: len(seen) >= 2)
+    with running(workers, store), events:
         t0 = time.time()
         ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
         found = ranks.get(timeout=60)  # far below the 300 s the stuck rank would hold
         took = time.time() - t0
         logs = "".join(w.output() for w in workers)
+    retried = {e["uuid"]: e["exception"] for e in events.events}
+    assert sorted(retried) == sorted(r.id for r in ranks.results), "Flower sees both retried"
+    assert all(x.startswith("GangReplaced(") for x in retried.values()), retried
     runs = [r for r in _results(redis_client) if r["tag"] == "gang-stuck"]
     assert sorted((r["rank"], r["crashes"]) for r in found) == [(0, 1), (1, 1)], found
     first = sorted((r["rank"], r["crashes"]) for r in runs if r["crashes"] == 0)
-    assert first == [(0, 0), (1, 0)], f"both ranks of the first placement ran: {runs}"
+    # rank 1 may be stopped before its body records (the stop can beat its child's start)
+    assert first in ([(0, 0), (1, 0)], [(0, 0)]), f"the first placement ran once: {runs}"
     assert "stopping gang rank" in logs, logs[-3000:]
     assert took < 60, took
     app.close()
@@ -155,8 +160,9 @@ def test_a_gang_past_its_crash_limit_fails_every_rank_at_once_with_the_reason(
     conf = json.dumps({"ojs_ml_advertise_address": "127.0.0.1", "ojs_ml_max_crashes": 0})
     env = {**ENV, "OJS_TEST_CONF": conf}
     app = make_app(redis_url)
-    workers = _two_workers(redis_url, tmp_path, env)
-    with running(workers, store):
+    workers = _two_workers(redis_url, tmp_path, env, "-E")
+    events = EventLog(app, ("task-failed",), lambda seen: len(seen) >= 2)
+    with running(workers, store), events:
         ranks = app.ojs_ml.gang(app.tasks["ml.gang_stuck"].s(300.0), 2)
         deadline = time.monotonic() + 60  # far below the 300 s the stuck rank would hold
         while not all(r.state == "FAILURE" for r in ranks.results):
@@ -166,16 +172,22 @@ def test_a_gang_past_its_crash_limit_fails_every_rank_at_once_with_the_reason(
         first, second = (str(r.result) for r in ranks.results)
     assert "could not open its rendezvous" in first, first
     assert "ojs_ml_max_crashes" in second, second
+    failed = {e["uuid"]: e["exception"] for e in events.events}
+    assert sorted(failed) == sorted(r.id for r in ranks.results), "Flower sees both failed"
+    assert "ojs_ml_max_crashes" in failed[ranks.results[1].id], failed
     runs = [r for r in _results(redis_client) if r["tag"] == "gang-stuck"]
-    assert sorted(r["rank"] for r in runs) == [0, 1], f"placed once only: {runs}"
+    placed = sorted(r["rank"] for r in runs)  # rank 1 may be stopped before its body records
+    assert placed in ([0, 1], [0]), f"placed once only: {runs}"
     app.close()
 
 
-def _two_workers(redis_url: str, tmp_path: Path, env: dict[str, str]) -> list[WorkerProcess]:
+def _two_workers(
+    redis_url: str, tmp_path: Path, env: dict[str, str], *args: str
+) -> list[WorkerProcess]:
     """Workers a and b, each an A100x2 with two processes."""
     return [
         WorkerProcess(n, redis_url, "profile:nvidia-a100x2", tmp_path, concurrency=2,
-                      extra_env=env)
+                      extra_env=env, extra_args=args)
         for n in ("a", "b")
     ]  # fmt: skip
 

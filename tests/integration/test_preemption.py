@@ -18,18 +18,16 @@ events.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
 from celery_ojs_ml.store import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
-from tests.integration.workers import WorkerProcess, running
+from tests.integration.workers import EventLog, WorkerProcess, running
 
 pytestmark = pytest.mark.integration
 
@@ -207,54 +205,21 @@ def test_after_ojs_ml_max_preemptions_a_job_is_no_longer_preemptible(
     app.close()
 
 
-class _Events:
-    """`task-retried` and `ojs-preempted` events, received in a thread from the broker."""
-
-    KINDS = ("task-retried", "ojs-preempted")
-
-    def __init__(self, app: Celery) -> None:
-        self.app = app
-        self.seen: dict[str, dict[str, Any]] = {}
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._capture, daemon=True)
-
-    def __enter__(self) -> _Events:
-        self.thread.start()
-        assert self.ready.wait(5), "the event receiver did not start"
-        time.sleep(0.3)  # the receiver's queue is bound once it consumes
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.thread.join(15)
-
-    def _capture(self) -> None:
-        with self.app.connection_for_read() as conn:
-            receiver = self.app.events.Receiver(conn, handlers={}, app=self.app)
-
-            def on_event(event: dict[str, Any]) -> None:
-                self.seen.setdefault(event["type"], event)
-                receiver.should_stop = all(k in self.seen for k in self.KINDS)
-
-            receiver.handlers = dict.fromkeys(self.KINDS, on_event)
-            self.ready.set()
-            try:
-                receiver.capture(limit=None, timeout=15, wakeup=False)
-            except Exception:  # timeout: the assertions on `seen` report it
-                return
-
-
 def test_a_preempted_job_is_reported_by_task_retried_and_ojs_preempted_events(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     """DESIGN decision 8: Flower sees a retry; `celery ojs-ml status` sees the detail."""
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
-    with running([_one_gpu_worker(redis_url, tmp_path, None, "-E")], store), _Events(app) as events:
+    kinds = ("task-retried", "ojs-preempted")
+    events = EventLog(app, kinds, lambda seen: {e["type"] for e in seen} >= set(kinds), 15)
+    with running([_one_gpu_worker(redis_url, tmp_path, None, "-E")], store), events:
         spot = app.tasks["ml.ckpt_train"].apply_async(args=[4, EPOCH_S], headers=SPOT).id
         _wait(lambda: _running_epoch(redis_client, spot, 0, 0), 20, "the spot job to checkpoint")
         app.tasks["ml.record"].apply_async(args=["reserved", 0.1], headers=RESERVED)
-        _wait(lambda: len(events.seen) == 2, 15, "both events")
-    retried, preempted = events.seen["task-retried"], events.seen["ojs-preempted"]
+        _wait(lambda: all(events.first(k) for k in kinds), 15, "both events")
+    retried, preempted = events.first("task-retried"), events.first("ojs-preempted")
+    assert retried is not None and preempted is not None
     assert retried["uuid"] == preempted["uuid"] == spot
     assert retried["exception"] == "Preempted(yielded, preemptions=1)"
     assert preempted["preemptions"] == 1 and preempted["how"] == "yielded"

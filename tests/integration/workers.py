@@ -6,10 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from celery_ojs_ml.store import OJSStore
 
@@ -125,3 +127,46 @@ def running(workers: list[WorkerProcess], store: OJSStore) -> Iterator[list[Work
     finally:
         for worker in workers:
             worker.stop()
+
+
+class EventLog:
+    """Celery events of `kinds`, received in a thread from the broker (workers run with
+    `-E`), until `done(events)` holds or `timeout_s` passes; use as a context manager
+    around what sends them."""
+
+    def __init__(
+        self,
+        app: Any,
+        kinds: tuple[str, ...],
+        done: Callable[[list[dict[str, Any]]], bool],
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.app, self.kinds, self.done, self.timeout_s = app, kinds, done, timeout_s
+        self.events: list[dict[str, Any]] = []
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._capture, daemon=True)
+
+    def __enter__(self) -> EventLog:
+        self.thread.start()
+        assert self.ready.wait(5), "the event receiver did not start"
+        time.sleep(0.3)  # the receiver's queue is bound once it consumes
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(self.timeout_s)
+
+    def first(self, kind: str) -> dict[str, Any] | None:
+        return next((e for e in self.events if e["type"] == kind), None)
+
+    def _capture(self) -> None:
+        with self.app.connection_for_read() as conn:
+            receiver = self.app.events.Receiver(conn, handlers={}, app=self.app)
+
+            def on_event(event: dict[str, Any]) -> None:
+                self.events.append(event)
+                receiver.should_stop = self.done(self.events)
+
+            receiver.handlers = dict.fromkeys(self.kinds, on_event)
+            self.ready.set()
+            with suppress(Exception):  # a timeout: the test's assertions on `events` say it
+                receiver.capture(limit=None, timeout=self.timeout_s, wakeup=False)

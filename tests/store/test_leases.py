@@ -488,3 +488,21 @@ def test_a_new_run_of_a_job_starts_only_once_the_last_runs_lease_is_gone(
     assert leases.get("retried") is None, "the old run's lease is gone before the new run"
     loop.turn()
     assert (leases.get("retried") or {}).get("token") == new
+
+
+def test_a_copy_re_published_by_a_claimer_is_marked_by_its_own_token_only(
+    book: tuple[LeaseBook, Clock],
+) -> None:
+    """DESIGN invariant 5: the claimer deletes the lease once it re-published the job; the
+    mark tells a copy that stalled past the TTL from one whose lease the store lost."""
+    leases, clock = book
+    old = leases.take(_record())
+    clock.now += 60
+    claimed = leases.claim("job-1", "b@x", "i2")
+    assert claimed is not None and claimed["token"] == old
+    leases.mark_taken_back("job-1", claimed["token"])
+    leases.release("job-1", claimed["claim_token"])
+    assert leases.get("job-1") is None
+    assert leases.was_taken_back("job-1", old), "the stalled copy's token"
+    assert not leases.was_taken_back("job-1", claimed["claim_token"]), "not any other copy's"
+    assert not leases.was_taken_back("job-2", old)

@@ -22,14 +22,40 @@ class _Timer:
             fun(*args)
 
 
+class _Leases:
+    """The lease book as `_lease_missing` sees it: the marks of copies taken back."""
+
+    def __init__(self, taken_back: set[tuple[str, str]]) -> None:
+        self.taken_back = taken_back
+        self.rewritten: list[tuple[str, str | None]] = []
+
+    def was_taken_back(self, task_id: str, token: str) -> bool:
+        return (task_id, token) in self.taken_back
+
+    def take(self, record: dict[str, Any], token: str | None = None) -> str:
+        self.rewritten.append((record["task_id"], token))
+        return token or "new"
+
+
 class _Keeper(LeaseKeeping):
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.fenced = set()
         self.stopping = set()
+        self.unacked = {}
         self.prefork = True
         self.killed: list[int | None] = []
         self.c = SimpleNamespace(timer=_Timer())
+        self.leases = _Leases(set())
+        self.allocations: list[Any] = []
+        self.allocator = SimpleNamespace(allocations=lambda: self.allocations)
+        self.store = SimpleNamespace(_clock=lambda: 1000.0)
+
+    def _already_finished(self, task_id: str) -> bool:
+        return False
+
+    def _job_record(self, req: Any, alloc: Any, started_at: float) -> dict[str, Any]:
+        return {"task_id": req.id}
 
     def kill_child(self, pid: int | None) -> bool:
         self.killed.append(pid)
@@ -77,3 +103,29 @@ def test_a_fenced_copy_with_a_known_pid_is_killed_at_once() -> None:
     keeper.tokens = {req: "tok"}
     keeper.fence({"t3"})
     assert keeper.killed == [7] and not keeper.c.timer.due
+
+
+def test_a_copy_whose_missing_lease_a_claimer_took_back_is_fenced_not_written_again() -> None:
+    """DESIGN invariant 5. The worker stalled past the TTL; a claimer re-published the job
+    and deleted the lease. Found missing, the lease is not taken for one the store lost:
+    this copy is stopped. A lease the store lost (no mark) is written again."""
+    keeper = _Keeper()
+    stale, lost = _req("t4", 11), _req("t5", 12)
+    keeper.tokens = {stale: "old", lost: "mine"}
+    keeper.leases = _Leases({("t4", "old")})
+    keeper.allocations = [SimpleNamespace(key=stale), SimpleNamespace(key=lost)]
+    keeper._lease_missing({"t4", "t5"})
+    assert keeper.killed == [11] and stale in keeper.fenced
+    assert keeper.leases.rewritten == [("t5", "mine")], "only the lost lease is written again"
+    assert lost in keeper.tokens and lost not in keeper.fenced
+
+
+def test_an_older_copy_of_a_job_that_started_here_again_is_stale() -> None:
+    """A job is re-published only once taken from its copy, so when a newer copy of it
+    starts on the same worker the older one is stopped, and only the newer one's lease
+    is refreshed."""
+    keeper = _Keeper()
+    old, new, other = _req("t6", 21), _req("t6", 22), _req("t7", 23)
+    keeper.tokens = {old: "a", other: "c", new: "b"}
+    mine, older = keeper._held_leases()
+    assert mine == {"t6": "b", "t7": "c"} and older == [old]
