@@ -48,6 +48,10 @@ _ACCEPT_WAIT_S = 30.0
 """How long a fenced copy without a known process is waited for before giving up."""
 
 
+_STALLED = "this one stalled longer than ojs_ml_lease_ttl_s"
+"""Why a copy is fenced when a claimer took its job over."""
+
+
 class LeaseKeeping:
     """Leases of the jobs this worker runs (see module doc)."""
 
@@ -167,7 +171,7 @@ class LeaseKeeping:
         """
         with self.lock:
             found = [req for req in self.tokens if req.id in task_ids]
-        self._fence_requests(found, "this one stalled longer than ojs_ml_lease_ttl_s")
+        self._fence_requests(found, _STALLED)
 
     def _fence_requests(self, reqs: list[Any], why: str) -> None:
         """Stop these copies (`fence`): their job runs, or is to run, elsewhere."""
@@ -238,7 +242,7 @@ class LeaseKeeping:
                 self._fence_requests([req], "it has finished there")
                 continue
             if self.leases.was_taken_back(req.id, token):  # re-published while we stalled
-                self._fence_requests([req], "this one stalled longer than ojs_ml_lease_ttl_s")
+                self._fence_requests([req], _STALLED)
                 continue
             alloc = next((a for a in self.allocator.allocations() if a.key is req), None)
             if alloc is None:

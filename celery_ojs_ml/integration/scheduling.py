@@ -138,8 +138,9 @@ class FleetScheduler(Intake, Prefetching, Delivery, PassInputs, Lane, Granting):
         self._task_events = False
         self._last_pass = 0.0
         self._intake: list[tuple[str, dict[str, Any], dict[str, Any], Any]] = []
-        self._admitted_late = False
         """Admissions read from the intake, written in one batch after the drain."""
+        self._admitted_late = False
+        """The last admission ran after the pass's reads (`PassInputs._first_reads`)."""
         self.passes = 0
         self.lane_passes = 0
         """Arrivals' decisions taken in the fast lane (`lane`), for tests and benchmarks."""
