@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointSettings  # noqa: E402
-from celery_ojs_ml.store import OJSStore  # noqa: E402
+from celery_ojs_ml.store.registry import OJSStore  # noqa: E402
 
 TARGET_RATIO = 1.05
 _START_TIMEOUT_S = 10.0

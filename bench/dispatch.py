@@ -8,7 +8,7 @@ the variants in short segments (throughput) or task by task (latency), so a
 slow spell of the VM hits every variant alike. Reports, with PASS/MISS against
 targets:
 
-* throughput ratio plugin / plain (target >= 0.8, issue 11): tasks published back to
+* throughput ratio plugin / plain (target >= 0.8): tasks published back to
   back, tasks/s from the first publish to the last task end of each segment. Segment i
   of the plugin is paired with segment i of plain Celery (the two run within seconds of
   each other); the verdict is the median of all paired segment ratios over all rounds
@@ -16,7 +16,7 @@ targets:
   with its defaults (the no-op never initialises CUDA, so pool children are
   reused: the gate alone) and with `ojs_ml_recycle_gpu_children="always"`
   (a fresh child per task: the cost a task that initialises CUDA pays);
-* added p50 latency (target <= 2 ms, issue 11; p99 shown): tasks published one at a time,
+* added p50 latency (target <= 2 ms; p99 shown): tasks published one at a time,
   latency = task body start - publish call start. Measured "hot" (tasks 10 ms
   apart; this carries the verdict) and "idle" (400 ms apart). On the reference
   VM memory goes cold within milliseconds of idling, which adds 2-40 ms of
@@ -58,14 +58,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.dispatch_app import GRANTS_PREFIX, RESULTS_KEY, make_app  # noqa: E402
-from celery_ojs_ml.store import OJSStore  # noqa: E402
+from celery_ojs_ml.store.registry import OJSStore  # noqa: E402
 
 A100X8 = "profile:nvidia-a100x8"
 ONE_GPU = '{"accelerator":"gpu","gpu":{"type":"nvidia-a100","count":1}}'
 TARGET_RATIO = 0.8
-"""Issue 11 (the fleet scheduler); issue 3, before it, asked 0.9."""
+"""The fleet scheduler's target; the plugin before it (class queues) aimed at 0.9."""
 TARGET_ADDED_MS = 2.0
-"""Added p50 latency, hot (issue 11; issue 3 asked 1 ms at p50 and p99)."""
+"""Added p50 latency, hot (the plugin before the fleet scheduler aimed at 1 ms)."""
 TARGET_WAKEUP_MS = 20.0
 _START_TIMEOUT_S = 60.0
 
@@ -603,7 +603,7 @@ def summarise(
         # runs within seconds of plain Celery's segment i, so each pair sees the same VM,
         # while the VM's speed drifts between segments. A round's ratio rests on one
         # round's few segments and swung 0.67-0.96 on this VM (docs/performance.md,
-        # twenty-second section); the median over all pairs is what the verdict needs.
+        # "Known limits"); the median over all pairs is what the verdict needs.
         pairs = paired_ratios(tput[key], tput["plain"])
         v["throughput_ratio_segments"] = pairs
         v["throughput_ratio"] = statistics.median(pairs)

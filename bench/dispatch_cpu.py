@@ -6,10 +6,10 @@ segments of `--tasks` no-op tasks between them, and reports for each variant the
 tasks/s and the user+system CPU per task of: the worker's main process, its pool
 children, the plugin's scheduler process (the leader, a spawned child of the worker),
 Redis, and this process (which publishes). Both variants are CPU-bound on a 2-core
-machine, so the throughput ratio follows the totals (docs/performance.md, "fourteenth
-session"). `--redis-commands` also counts the Redis commands of one plugin burst by
-command and key shape (Redis `MONITOR`); `lua` marks a command run inside a script (no
-round trip of its own).
+machine, so the throughput ratio follows the totals (docs/performance.md, "Methods").
+`--redis-commands` also counts the Redis commands of one plugin burst by command and key
+shape (Redis `MONITOR`); `lua` marks a command run inside a script (no round trip of its
+own).
 
     .venv/bin/python bench/dispatch_cpu.py [--tasks 600] [--segments 3] [--redis-commands]
         [--grants]

@@ -1,4 +1,4 @@
-"""Inference benchmark (issue 13): warm children vs retirement vs one worker per GPU.
+"""Inference benchmark: warm children vs retirement vs one worker per GPU.
 
 A GPU inference task (`bench/inference_app.py`: simulated CUDA init 0.3 s and
 model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
@@ -15,7 +15,7 @@ model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
 5. `plugin-fair`: plugin-warm with fair-share weights (`ojs_ml_fair_share`
    `{"celery": 1, "batch": 3}`; the requests all go to `celery`): what a fleet
    that shares its GPUs between queues gets (prefetch was off with weights
-   before 2026-11-27, fourteenth session);
+   before 2026-11-27);
 6. `baseline`: four plain Celery workers, each `CUDA_VISIBLE_DEVICES=i -c 1`,
    the model loaded in `worker_process_init` (the usual hand-made setup).
 

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.dispatch import private_redis  # noqa: E402
-from celery_ojs_ml.store import OJSStore  # noqa: E402
+from celery_ojs_ml.store.registry import OJSStore  # noqa: E402
 from tests.integration.mlapp import RESULTS_KEY, make_app  # noqa: E402
 from tests.integration.workers import WorkerProcess, running  # noqa: E402
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Real-GPU checks (issue 13), for a machine with NVIDIA GPUs, PyTorch and no network.
+# Real-GPU checks (warm children, pinning, the NVML probe), for a machine with NVIDIA
+# GPUs, PyTorch and no network.
 #
 # Carry-ins, prepared on a machine with pip (see docs/performance.md, "Real GPU"):
 #   .whl/  the wheels of celery, kombu, redis, pydantic, jsonschema and their needs

@@ -4,9 +4,9 @@ Methodology (Weng et al., ATC'23; `hkust-adsl/kubernetes-scheduler-simulator`),
 written down in docs/performance.md:
 
 * the cluster is the 1,213 GPU nodes of `openb_node_list_gpu_node.csv`;
-* the workload is the pod list in creation order, inflated to 130% of the
-  cluster's GPU capacity (milli-GPU) by appending pods drawn uniformly, with
-  replacement, from the same list (seeded);
+* the workload is the pod list shuffled with the seed (`--order creation`: in
+  creation order), inflated to 130% of the cluster's GPU capacity (milli-GPU) by
+  appending pods drawn uniformly, with replacement, from the same list (seeded);
 * pods are placed one at a time, none departs; a pod that fits nowhere fails
   and later pods still try; pods without GPUs take CPU and memory only;
 * the allocation rate (allocated milli-GPU / capacity) is read when the arrived

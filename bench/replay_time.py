@@ -1,6 +1,6 @@
 """`bench/replay.py --mode time`: three dispatch policies over time on a scaled cluster.
 
-Modelling (issue 14 part 3; the engine and the policies are in `bench/replay_sim.py`):
+Modelling (the engine and the policies are in `bench/replay_sim.py`):
 
 * **Cluster.** `--time-workers` (16) nodes of the trace's GPU node list, drawn
   with the seed; of up to 500 draws the first whose GPU total is within 10% of

@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_ojs_ml.checkpoint import Preempted, checkpoint
-    from celery_ojs_ml.integration.child import devices
-    from celery_ojs_ml.integration.models import model
-    from celery_ojs_ml.integration.plugin import OJSML
-    from celery_ojs_ml.integration.sharing import limit_torch_memory
+    from celery_ojs_ml.child.models import model
+    from celery_ojs_ml.child.pinning import devices
+    from celery_ojs_ml.child.sharing import limit_torch_memory
+    from celery_ojs_ml.plugin import OJSML
 
 __all__ = ["OJSML", "Preempted", "checkpoint", "devices", "limit_torch_memory", "model"]
 __version__ = "0.1.0"
 
 _LAZY = {
-    "OJSML": ("celery_ojs_ml.integration.plugin", "OJSML"),
-    "devices": ("celery_ojs_ml.integration.child", "devices"),
-    "model": ("celery_ojs_ml.integration.models", "model"),
+    "OJSML": ("celery_ojs_ml.plugin", "OJSML"),
+    "devices": ("celery_ojs_ml.child.pinning", "devices"),
+    "model": ("celery_ojs_ml.child.models", "model"),
     "checkpoint": ("celery_ojs_ml.checkpoint", "checkpoint"),
     "Preempted": ("celery_ojs_ml.checkpoint", "Preempted"),
-    "limit_torch_memory": ("celery_ojs_ml.integration.sharing", "limit_torch_memory"),
+    "limit_torch_memory": ("celery_ojs_ml.child.sharing", "limit_torch_memory"),
 }
 
 

@@ -17,7 +17,7 @@ import hypothesis  # noqa: F401  (see below)
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.helpers import free_port, stop_process
 
 _REDIS_START_TIMEOUT_S = 10.0

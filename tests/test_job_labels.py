@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.labels import declared_labels, job_labels
+from celery_ojs_ml.wire.labels import declared_labels, job_labels
 
 
 def test_a_job_is_labelled_with_its_task_name_its_queue_and_its_declared_labels() -> None:

@@ -6,11 +6,11 @@ import pytest
 from celery import Celery
 
 from celery_ojs_ml import OJSML
-from celery_ojs_ml.integration.admission import Admission, BadMessage
-from celery_ojs_ml.integration.routing import MLRouter
 from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.producer.routing import MLRouter
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, normalize
+from celery_ojs_ml.wire.inbound import Admission, BadMessage
 
 
 def test_an_lru_keeps_at_most_maxsize_entries_and_drops_the_least_recently_used() -> None:

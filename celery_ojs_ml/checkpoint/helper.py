@@ -39,7 +39,7 @@ from celery_ojs_ml.checkpoint.model import (
 )
 from celery_ojs_ml.checkpoint.preempt import LeaseLost
 from celery_ojs_ml.checkpoint.writer import CheckpointWriter
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger(__name__)
 Emit = Callable[[str, dict[str, Any]], None]

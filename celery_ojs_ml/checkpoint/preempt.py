@@ -27,7 +27,7 @@ from typing import Any
 
 from celery.exceptions import Ignore
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger(__name__)
 SIGNAL = signal.SIGUSR2

@@ -35,7 +35,7 @@ import redis
 
 from celery_ojs_ml.checkpoint.model import CheckpointMeta
 from celery_ojs_ml.checkpoint.preempt import LeaseLost
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 
 @dataclass(frozen=True, slots=True)

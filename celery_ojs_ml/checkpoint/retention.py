@@ -13,7 +13,7 @@ from typing import Any
 
 from celery_ojs_ml.checkpoint import records, storage
 from celery_ojs_ml.checkpoint.model import CheckpointMeta
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger(__name__)
 

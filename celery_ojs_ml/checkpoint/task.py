@@ -25,7 +25,7 @@ from celery_ojs_ml.checkpoint.model import (
 from celery_ojs_ml.checkpoint.storage import storage_options_for
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 HEADER_LAST = "ojs_last_checkpoint"
 """Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""

@@ -6,6 +6,6 @@ too: plain `celery -b URL inspect ojs_ml_status` works without `-A`.
 """
 
 from celery_ojs_ml.cli.main import cli as ojs_ml
-from celery_ojs_ml.integration import control  # noqa: F401  (registers ojs_ml_* inspect commands)
+from celery_ojs_ml.worker import control  # noqa: F401  (registers ojs_ml_* inspect commands)
 
 __all__ = ["ojs_ml"]

@@ -24,7 +24,7 @@ from celery_ojs_ml.spec.flux_rules import is_int
 from celery_ojs_ml.spec.resources import is_requirement_key
 
 if TYPE_CHECKING:  # the offline verbs share this package and should not pay for importing Celery
-    from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.plugin import OJSML
 
 ANSWERING, NOT_ANSWERING, NO_GATE = "answering", "not answering", "no ojs-ml gate"
 _FREE_FIELDS = {"gpus": "gpu_count", "cpu_cores": "cpu_cores", "memory_gb": "memory_gb"}
@@ -189,8 +189,8 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
     free capacity. Raises `LookupError` when the broker is not Redis (its
     queued messages cannot be listed).
     """
-    from celery_ojs_ml.integration.routing import PRIORITY_SUFFIXES, class_routes, queue_name
     from celery_ojs_ml.matching import rank
+    from celery_ojs_ml.producer.routing import PRIORITY_SUFFIXES, class_routes, queue_name
     from celery_ojs_ml.spec.normalize import normalize
 
     with plugin.app.connection_for_read() as conn:

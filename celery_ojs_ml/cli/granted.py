@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.plugin import OJSML
 
 
 def _holder_queues(plugin: OJSML) -> dict[str, tuple[str, str]]:
     """holder's own queue -> (grant field, holder), for every grant in the store."""
-    from celery_ojs_ml.integration.routing import worker_queue_name
+    from celery_ojs_ml.producer.routing import worker_queue_name
 
     prefix = plugin.settings.store_prefix
     return {
@@ -28,7 +28,7 @@ def _holder_queues(plugin: OJSML) -> dict[str, tuple[str, str]]:
 
 def grants_part(plugin: OJSML) -> list[dict[str, Any]]:
     """Every grant: its field (queue|band|class), holder and jobs queued on the holder."""
-    from celery_ojs_ml.integration import redis_intake
+    from celery_ojs_ml.store import broker as redis_intake
 
     holders = _holder_queues(plugin)
     if not holders:
@@ -55,7 +55,7 @@ def render_grants(part: list[dict[str, Any]]) -> str:
 def find_granted(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
     """A job published under a grant and still queued on its holder; None if not found
     (one held at the holder's gate shows in its heartbeat: `fleet_view.locate`)."""
-    from celery_ojs_ml.integration.grants import locate_granted
+    from celery_ojs_ml.store.grants import locate_granted
 
     found = locate_granted(plugin, task_id)
     if found is None or found[2] < 0:

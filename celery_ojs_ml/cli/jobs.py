@@ -46,7 +46,7 @@ def checkpoints(ctx: click.Context, task_id: str, app_name: str | None, as_json:
 @click.pass_context
 def dead(ctx: click.Context, retry_id: str | None, app_name: str | None, as_json: bool) -> None:
     """List dead-lettered ML jobs with their reason and last checkpoint; `--retry` resumes one."""
-    from celery_ojs_ml.integration.deadletter import dead_jobs, retry_dead
+    from celery_ojs_ml.store.deadletter import dead_jobs, retry_dead
 
     plugin = load_plugin(ctx, app_name)
     if retry_id:

@@ -27,7 +27,7 @@ from celery_ojs_ml.matching import pending_message, rank
 from celery_ojs_ml.spec.documents import requirements_doc
 
 if TYPE_CHECKING:  # Celery is imported when a live verb runs, so offline verbs start fast
-    from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.plugin import OJSML
 
 _NEEDS_APP = (
     "this verb needs a Celery app with the OJSML plugin; pass it with -A, "
@@ -57,7 +57,7 @@ def load_plugin(ctx: click.Context, app_name: str | None) -> OJSML:
     """The `OJSML` plugin of the app named by `-A`, else of `celery -A`'s app."""
     from celery.app.utils import find_app
 
-    from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.plugin import OJSML
 
     app = getattr(ctx.obj, "app", None)
     if not app_name and app is None:  # `celery` itself already honours $CELERY_APP

@@ -63,7 +63,7 @@ def _line(rid: str, r: dict[str, Any], now: float) -> str:
 
 def _inside(plugin: Any) -> dict[str, list[str]]:
     """Task ids running inside each reservation, from the leases."""
-    from celery_ojs_ml.integration.leases import LeaseBook
+    from celery_ojs_ml.store.leases import LeaseBook
 
     out: dict[str, list[str]] = {}
     for lease in LeaseBook(plugin.store, plugin.settings.lease_ttl_s).all():

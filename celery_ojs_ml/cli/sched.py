@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from celery_ojs_ml.integration.plugin import OJSML
+    from celery_ojs_ml.plugin import OJSML
 
 
 def scheduler_part(plugin: OJSML) -> dict[str, Any]:
     """`{"leader": {id, since} | None, "jobs": {task_id: entry}}` from the store."""
-    from celery_ojs_ml.pending import PendingBook
+    from celery_ojs_ml.store.pending import PendingBook
 
     book = PendingBook(plugin.store)
     jobs = {task_id: entry(record) for task_id, record in book.records().items()}
@@ -33,8 +33,8 @@ def scheduler_part(plugin: OJSML) -> dict[str, Any]:
 
 def intake_depth(plugin: OJSML) -> dict[str, int] | None:
     """`{"waiting", "taken"}` messages in the intake queue (Redis brokers), else None."""
-    from celery_ojs_ml.integration import redis_intake
-    from celery_ojs_ml.integration.routing import intake_name
+    from celery_ojs_ml.producer.routing import intake_name
+    from celery_ojs_ml.store import broker as redis_intake
 
     try:
         with plugin.app.connection_for_read() as conn:
@@ -132,7 +132,7 @@ def _ago(since: Any, now: float) -> str:
 def scheduler(ctx: click.Context, app_name: str | None, name: str | None) -> None:
     """Run the fleet scheduler as its own process (it leads when elected)."""
     from celery_ojs_ml.cli.live import load_plugin
-    from celery_ojs_ml.integration.scheduling import FleetScheduler
+    from celery_ojs_ml.leader.loop import FleetScheduler
 
     plugin = load_plugin(ctx, app_name)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

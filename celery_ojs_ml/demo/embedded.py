@@ -29,7 +29,7 @@ from celery_ojs_ml.demo.app import make_app
 from celery_ojs_ml.demo.jobs import EXAMPLES, FLEET, fleet_capabilities
 from celery_ojs_ml.demo.table import LivePrinter
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 CONCURRENCY = 4
 

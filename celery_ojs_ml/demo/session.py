@@ -26,8 +26,8 @@ from celery_ojs_ml.demo.jobs import EXAMPLES, DemoJob, Submission, fleet_capabil
 from celery_ojs_ml.demo.table import LivePrinter
 from celery_ojs_ml.demo.watch import DONE, WAITING, Row, judge, observe, settled
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 
 POLL_S = 0.2
 

@@ -21,8 +21,8 @@ from typing import Any
 from celery import Celery
 
 from celery_ojs_ml.demo.jobs import DemoJob
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 
 DONE, FAILED, RUNNING, HELD, QUEUED, WAITING, BLOCKED, ASSIGNED = (
     "done",

@@ -29,7 +29,7 @@ from celery_ojs_ml.scheduler.model import Decision, PendingJob, WorkerState
 from celery_ojs_ml.spec.resources import MLRequirements
 
 AUTO_LABELS = frozenset({"job_type", "queue"})
-"""The labels every job shows (`integration.labels.job_labels`); only declared ones count."""
+"""The labels every job shows (`wire.labels.job_labels`); only declared ones count."""
 
 
 def grant_key(queue: str, band: str, class_id: str) -> str:

@@ -229,7 +229,7 @@ class Policy:
     a hard one (the worker kills it), and a lease's start precedes the task body's by
     the hand-off to the pool, so a job just past its limit is ending: a longer guess
     opened a backfill window behind it for jobs the reserved job then waited for (10 s
-    until the ninth session; the starvation test failed about 1 run in 20)."""
+    before; with it the starvation test failed about 1 run in 20)."""
     budgets: tuple[tuple[str, Budget], ...] = ()
     """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
     weights: tuple[tuple[str, float], ...] = ()
@@ -346,7 +346,7 @@ class Decision:
     planned: tuple[Reservation, ...] = ()
     """Where each waiting job with a known start would start soonest, in fleet order: the
     `reservations`, and the shadow estimates after them (which backfill does not respect).
-    Prefetch sends the first of them on each worker ahead (`integration.prefetching`)."""
+    Prefetch sends the first of them on each worker ahead (`leader.prefetch`)."""
 
     def assigned(self) -> dict[str, str]:
         """task id -> worker of every assignment."""

@@ -2,7 +2,7 @@
 
 The tests and `bench/inference.py` stand in for a framework's first CUDA call by
 loading a copy of some shared library as `libcuda.so.1`; the plugin's detection
-(`integration.child.cuda_initialised`) reads `/proc/self/maps` as it would for the
+(`child.pinning.cuda_initialised`) reads `/proc/self/maps` as it would for the
 real driver. Which standard-library modules are shared objects depends on how
 Python was built (a distribution's Python links `_bisect` into the interpreter), so
 the first one that is a file is taken.

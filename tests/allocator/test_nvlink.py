@@ -1,4 +1,4 @@
-"""Issue 13, device mapping: a job asking for `nvlink` gets GPUs that are NVLink peers.
+"""Device mapping: a job asking for `nvlink` gets GPUs that are NVLink peers.
 
 The worker knows its links per device (`probe` through NVML's P2P status);
 the allocator then picks a set of devices that are all peers of each other,

@@ -1,4 +1,4 @@
-"""Issue 13, warm children: the warm pool moves a job that waits for a pool child onto
+"""Warm children: the warm pool moves a job that waits for a pool child onto
 the devices an idle child is bound to, or exchanges devices with a job no child has
 taken yet. The allocator keeps capacity and the job's constraints while it does."""
 

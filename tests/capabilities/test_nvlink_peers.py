@@ -1,14 +1,14 @@
-"""Issue 13, device mapping: the probe reads NVLink peers per device (NVML P2P status) and
+"""Device mapping: the probe reads NVLink peers per device (NVML P2P status) and
 maps them onto the worker's allocation indices."""
 
 from __future__ import annotations
 
 from celery_ojs_ml.capabilities.probe import advertised_peers, probe, probe_devices
-from celery_ojs_ml.integration.worker import nvlink_peers_for
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.testing.builders import worker_with
 from celery_ojs_ml.testing.fake_nvml import FakeNVML
+from celery_ojs_ml.worker.core import nvlink_peers_for
 from tests.capabilities.test_probe import A100_80GB, T4, FakePsutil
 
 

@@ -1,4 +1,4 @@
-"""Device mapping (issue 13): the probe and the pinning respect an inherited
+"""Device mapping: the probe and the pinning respect an inherited
 CUDA_VISIBLE_DEVICES (indices or UUIDs) or a UUID NVIDIA_VISIBLE_DEVICES."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from celery_ojs_ml.capabilities.probe import (
     probe_devices,
     visible_tokens,
 )
-from celery_ojs_ml.integration import child
+from celery_ojs_ml.child import pinning as child
 from celery_ojs_ml.testing.fake_nvml import FakeNVML
 from tests.capabilities.test_probe import A100_80GB, T4, FakePsutil
 
@@ -56,7 +56,7 @@ def mixed() -> FakeNVML:
 
 
 def test_on_a_mixed_host_allocation_indices_name_only_the_advertised_models_devices() -> None:
-    """Issue 13: the worker advertises 3 A100s; allocation index 2 is NVML device 3,
+    """The worker advertises 3 A100s; allocation index 2 is NVML device 3,
     never the T4 at index 2."""
     nvml = mixed()
     caps = probe(nvml=nvml, psutil_mod=FakePsutil())

@@ -17,7 +17,7 @@ from celery_ojs_ml.checkpoint import (
     last_checkpoint,
     list_checkpoints,
 )
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.checkpoint.conftest import Backend, FakeClock, s3_options
 
 JOB = "0195f0a4-5678-7abc-8000-000000000002"
@@ -103,7 +103,7 @@ _CRASH_BEFORE_COMMIT = textwrap.dedent(
     import json, os, sys
     import redis
     from celery_ojs_ml.checkpoint import Checkpointer, CheckpointSettings
-    from celery_ojs_ml.store import OJSStore
+    from celery_ojs_ml.store.registry import OJSStore
 
     url, prefix, job, uri, options = sys.argv[1:]
     store = OJSStore(redis.Redis.from_url(url), prefix=prefix)

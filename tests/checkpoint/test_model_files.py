@@ -11,7 +11,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from celery_ojs_ml.integration.model_files import ChecksumMismatch, resolve, trim, verify
+from celery_ojs_ml.child.model_files import ChecksumMismatch, resolve, trim, verify
 from tests.checkpoint.conftest import s3_options
 
 WEIGHTS = b"weights" * 1000

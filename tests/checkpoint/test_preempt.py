@@ -22,7 +22,7 @@ from celery_ojs_ml.checkpoint import (
     reset_flag,
 )
 from celery_ojs_ml.checkpoint.preempt import SIGNAL
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.checkpoint.conftest import Backend, FakeClock
 
 JOB = "preempt-job"

@@ -9,7 +9,7 @@ import pytest
 
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointError, CheckpointMeta
 from celery_ojs_ml.spec.normalize import Bounds
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.checkpoint.conftest import Backend, FakeClock
 
 JOB = "resume-job"

@@ -20,7 +20,7 @@ from celery_ojs_ml.checkpoint import (
     request_preemption,
 )
 from celery_ojs_ml.errors import ConfigError, SpecError
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.checkpoint.conftest import Backend, s3_options
 
 JOB = "celery-job-1"

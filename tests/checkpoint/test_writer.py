@@ -10,7 +10,7 @@ import pytest
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointError, last_checkpoint
 from celery_ojs_ml.checkpoint.records import last_checkpoints
 from celery_ojs_ml.checkpoint.storage import Source
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.checkpoint.conftest import Backend
 
 JOB = "writer-job"

@@ -30,7 +30,7 @@ from click.testing import CliRunner, Result
 
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.helpers import ROOT
 from tests.integration.mlapp import make_app
 from tests.integration.workers import WorkerProcess

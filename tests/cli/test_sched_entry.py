@@ -8,7 +8,7 @@ META = {"task": "ml.infer", "queue": "celery", "band": "on-demand", "submitted_a
 
 
 def test_a_job_delivered_ahead_is_shown_waiting_with_its_reason_estimate_and_worker() -> None:
-    """Issue 11's contract: a waiting job has a `reason_pending` and a `t_estimate`. A job
+    """The scheduler's contract: a waiting job has a `reason_pending` and a `t_estimate`. A job
     sent ahead to a gate (`ojs_ml_prefetch`) is assigned in the store but still waits."""
     note = {"reason_pending": "gpu_count free 0 < 1; delivered ahead to w", "t_estimate": 9.0,
             "worker": "w", "ahead": True}  # fmt: skip

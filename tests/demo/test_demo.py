@@ -20,7 +20,7 @@ import redis
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.demo.oracle import check_report
 from tests.helpers import ROOT
 

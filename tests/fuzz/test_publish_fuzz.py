@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, event, example, given, reject, settings
 from hypothesis import strategies as st
 
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.plugin import OJSML
-from celery_ojs_ml.integration.routing import intake_name
+from celery_ojs_ml.plugin import OJSML
+from celery_ojs_ml.producer.routing import intake_name
 from celery_ojs_ml.spec.documents import canonical, parse_document
 from celery_ojs_ml.spec.envelope import requirements_of
 from celery_ojs_ml.spec.flux import FluxJob

@@ -373,7 +373,7 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
     def infer(self: Any, x: int, load_s: float = 0.2) -> dict[str, Any]:
         """A GPU inference request: CUDA at first use, then the model from the child's cache."""
         from celery_ojs_ml import model
-        from celery_ojs_ml.integration import models
+        from celery_ojs_ml.child import models
 
         with _CUDA_LOCK:
             if "cvd" not in _FIRST_GPU_USE:
@@ -397,7 +397,7 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
     @app.task(bind=True, name="ml.verified_load", shared=False, ml={"ext_ml_gpu_count": 1})
     def verified_load(self: Any, path: str) -> int:
         """Verify the model file against the job's ext_ml_model_checksum, then 'load' it."""
-        from celery_ojs_ml.integration.model_files import verify_model
+        from celery_ojs_ml.child.model_files import verify_model
 
         verify_model(self, path)
         return len(Path(path).read_bytes())

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -17,8 +17,8 @@ import redis
 from celery import Celery
 
 from celery_ojs_ml.errors import ConfigError, SpecError
-from celery_ojs_ml.integration.plugin import OJSML
-from celery_ojs_ml.integration.settings import read_settings
+from celery_ojs_ml.plugin import OJSML
+from celery_ojs_ml.wire.settings import read_settings
 
 SHADOW = {"ext_mlx_artifact_model_uri": "file:///etc/shadow"}
 

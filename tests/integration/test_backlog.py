@@ -25,8 +25,8 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import make_app
 from tests.integration.test_fleet import RESERVED, SPOT, _result, _results, _wait, _worker
 from tests.integration.workers import running

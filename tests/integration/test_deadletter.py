@@ -1,6 +1,6 @@
 """OJS ML §14.2: a checkpointed job that fails for good is dead-lettered with its checkpoint
 metadata; `ojs-ml dead` lists it and `ojs-ml dead --retry` resumes it from that checkpoint.
-Also `ojs-ml checkpoints TASK_ID` (issue 4)."""
+Also `ojs-ml checkpoints TASK_ID`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import redis
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -29,9 +29,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.integration.routing import worker_queue_name
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.producer.routing import worker_queue_name
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
@@ -318,7 +318,7 @@ def test_explain_json_gives_a_waiting_job_a_reason_and_a_start_estimate_close_to
 def test_a_running_jobs_celery_time_limit_gives_the_waiting_job_its_start_estimate(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    """Issue 11: ends are estimated from `ext_ml_timeout_seconds`, a Flux duration or the
+    """Ends are estimated from `ext_ml_timeout_seconds`, a Flux duration or the
     task's `time_limit`. The blocker has only Celery's own hard `time_limit` (5 s) and
     runs 4 s: the worker writes that limit in its lease, so the waiting job's estimate is
     the blocker's start + 5 s. Before, a running job's Celery limit was not kept in its

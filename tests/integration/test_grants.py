@@ -1,4 +1,4 @@
-"""Grants with real workers (`scheduler.grants`, `integration.granting`, `integration.granted`).
+"""Grants with real workers (`scheduler.grants`, `leader.granting`, `worker.granted`).
 
 While nothing waits, the leader grants a class of simple jobs to the worker it placed
 the last one on, and publishers send the class's next jobs straight to that worker's
@@ -21,8 +21,8 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ojs_ml.integration.grants import GrantBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.grants import GrantBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import make_app
 from tests.integration.test_fleet import (
     RESERVED,

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import make_app
 from tests.integration.workers import WorkerProcess
 
@@ -85,7 +85,7 @@ def test_jobs_survive_thirty_random_worker_kills(
     assert kills >= KILLS
 
     # Every job completed: none is lost, not even in kombu's BRPOP window (see `_wait_done`),
-    # which the Redis intake (`integration.redis_intake`) closes for the intake queue.
+    # which the Redis intake (`store.broker`) closes for the intake queue.
     logs = [w.log for w in workers.values()]
     details = {i: _state(redis_client, i, logs) for i in lost}  # for whoever debugs a failure
     assert not lost, f"{len(lost)} jobs lost: {details}"
@@ -143,7 +143,7 @@ def _wait_done(client: redis.Redis, ids: list[str], logs: list[Path], timeout: f
     kombu's Redis transport pops a message with BRPOP and only then records it
     as unacked (`QoS.append`); a process killed in that instant would lose the
     message before Celery or the plugin ever sees it, as in plain Celery. The
-    leader reads the intake through `integration.redis_intake` instead, and a
+    leader reads the intake through `store.broker` instead, and a
     worker queue's loss is taken back by the scheduler, so none should be lost.
     A job that looks lost (`_nowhere`) for `settle` seconds is returned (and
     fails the test); any other missing job fails it with the state it was in.

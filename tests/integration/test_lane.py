@@ -1,4 +1,4 @@
-"""The leader's fast lane (`integration.lane`): an arrival at a quiet fleet is decided on
+"""The leader's fast lane (`leader.lane`): an arrival at a quiet fleet is decided on
 the fleet the last quiet pass read, with its admission and assignment in one pipeline.
 
 A real `FleetScheduler` on a private Redis; the workers are advertisements written the
@@ -20,14 +20,14 @@ from celery_ojs_ml import OJSML
 from celery_ojs_ml.allocator.core import Allocator
 from celery_ojs_ml.allocator.model import Allocation
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
-from celery_ojs_ml.integration import redis_intake
-from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
-from celery_ojs_ml.integration.redis_intake import PROCESSING_SUFFIX
-from celery_ojs_ml.integration.routing import worker_queue_name
-from celery_ojs_ml.integration.scheduling import FleetScheduler
-from celery_ojs_ml.pending import PendingBook
+from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
+from celery_ojs_ml.leader.loop import FleetScheduler
+from celery_ojs_ml.producer.routing import worker_queue_name
 from celery_ojs_ml.spec.resources import MLRequirements
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store import broker as redis_intake
+from celery_ojs_ml.store.broker import PROCESSING_SUFFIX
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.workers import WorkerProcess, running
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The per-child model cache (`ml.model`, issue 13) on a real prefork worker with warm
+"""The per-child model cache (`ml.model`) on a real prefork worker with warm
 children: a model is loaded once per child and reused, and the worker's `models_loaded`
 (§11) shows it within a heartbeat."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
@@ -115,7 +115,7 @@ def test_a_pinned_version_runs_only_where_it_is_loaded_by_default_section_4(
 def test_version_pinning_holds_by_default_section_4() -> None:
     """Nothing configured: a worker does not claim it can fetch every model version."""
     from celery_ojs_ml.capabilities import Capabilities
-    from celery_ojs_ml.integration.settings import OJSMLSettings
+    from celery_ojs_ml.wire.settings import OJSMLSettings
 
     assert OJSMLSettings().model_registry_access is False
     assert Capabilities.model_validate({"gpu": {"count": 1}}).model_registry_access is False

@@ -1,4 +1,4 @@
-"""NVLink islands end to end (issue 13): a probed worker (fake NVML in the worker process,
+"""NVLink islands end to end: a probed worker (fake NVML in the worker process,
 4 x A100 bridged in pairs 0-1 and 2-3) reports its free island in the heartbeat, and the
 scheduler sends a 2-GPU `nvlink` job only when two free GPUs are peers. Before, with two
 free GPUs that were not peers, it was sent, given back and sent again every 0.5 s."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import ROOT, WorkerProcess, running, wait_for_leader
 

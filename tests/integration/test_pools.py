@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration.settings import read_settings
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.settings import read_settings
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

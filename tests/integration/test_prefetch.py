@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import HOLD_KEY, RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
@@ -318,7 +318,7 @@ def test_a_job_held_ahead_gets_a_new_start_estimate_when_a_job_before_it_ends_ea
     The estimate before is read from the pending set while `early` still runs (read
     after it), and from the first annotation on: `second` is sent ahead after `first`,
     and the core plans it as if `first` ran already (one end too early, `short`'s); the
-    pass that sends it gives it the gate's estimate at once (stop 26's CI caught it)."""
+    pass that sends it gives it the gate's estimate at once (CI caught it)."""
     from celery.bin.base import CLIContext
     from click.testing import CliRunner
 

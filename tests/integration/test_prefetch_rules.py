@@ -1,4 +1,4 @@
-"""The leader's prefetch rules (`integration.prefetching`), on its pure inputs: which
+"""The leader's prefetch rules (`leader.prefetch`), on its pure inputs: which
 jobs go ahead to a gate, and which held ones are taken back. The same rules on real
 workers are in test_prefetch.py."""
 
@@ -11,7 +11,7 @@ def _leader(sent: list[str]) -> Any:
     """A `Prefetching` leader (prefetch 2) that records what it would deliver in `sent`."""
     from types import SimpleNamespace
 
-    from celery_ojs_ml.integration.prefetching import Prefetching
+    from celery_ojs_ml.leader.prefetch import Prefetching
     from celery_ojs_ml.scheduler import Policy
 
     class Leader(Prefetching):
@@ -25,7 +25,7 @@ def _leader(sent: list[str]) -> Any:
             self._dirty = False
 
         def _pending_job(self, task_id: str, record: dict[str, Any]) -> Any:
-            from celery_ojs_ml.integration.fleet_view import pending_job
+            from celery_ojs_ml.leader.fleet_view import pending_job
 
             return pending_job(task_id, record, self.parse)
 
@@ -312,7 +312,7 @@ def test_the_jobs_held_ahead_at_a_gate_start_in_order_as_the_running_jobs_end() 
     """The i-th job held ahead starts when the i-th running job ends (by its time limit);
     a job past its limit ends a second from now (`Policy.overdue_s`), one without a limit
     frees nothing known, and a ledger entry of a job delivered ahead is not running."""
-    from celery_ojs_ml.integration.prefetching import ahead_estimates
+    from celery_ojs_ml.leader.prefetch import ahead_estimates
     from celery_ojs_ml.scheduler import RunningJob
     from celery_ojs_ml.scheduler.model import WorkerState
     from celery_ojs_ml.testing.builders import worker_with

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
@@ -121,7 +121,7 @@ def test_a_heartbeat_that_reports_a_change_in_plain_tasks_wakes_the_scheduler(
 ) -> None:
     """No release reports a plain task, and a leader deciding an arrival on the fleet its
     last quiet pass read (the fast lane) would not see the heartbeat that does: `next`
-    went to `one`'s busy process (stop 28's CI). The heartbeat that carries a change
+    went to `one`'s busy process (seen in CI). The heartbeat that carries a change
     pushes a wake-up on the intake, which ends the lane. `one` leads nothing here
     (`ojs_ml_scheduler="off"`), so its wake-ups stay on the intake to be counted."""
     store = OJSStore(redis_client, prefix="ojs")

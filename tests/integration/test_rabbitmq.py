@@ -22,7 +22,7 @@ import redis
 from kombu import Connection
 
 from celery_ojs_ml.spec.classes import BANDS
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -20,10 +20,10 @@ import pytest
 import redis
 from kombu import Connection, Producer
 
-from celery_ojs_ml.integration.delivery import HEADER_ASSIGN
-from celery_ojs_ml.integration.routing import ml_queue, worker_queue_name
-from celery_ojs_ml.pending import PENDING, PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
+from celery_ojs_ml.producer.routing import ml_queue, worker_queue_name
+from celery_ojs_ml.store.pending import PENDING, PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

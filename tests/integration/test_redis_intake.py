@@ -3,7 +3,7 @@
 The leader moves intake messages atomically into a processing list and takes
 them off only once their jobs are admitted, so a leader killed at any instant
 loses none (kombu's own consumer pops with BRPOP first: kombu#305). These tests
-also pin the kombu Redis layout that `integration.redis_intake` reads (checked
+also pin the kombu Redis layout that `store.broker` reads (checked
 against kombu 5.7.0): they fail when it changes.
 """
 
@@ -23,11 +23,11 @@ from celery import Celery
 from kombu import Connection, Producer  # type: ignore[attr-defined]
 from kombu.transport import redis as kombu_redis
 
-from celery_ojs_ml.integration import redis_intake
-from celery_ojs_ml.integration.redis_intake import PROCESSING_SUFFIX, RedisIntake
-from celery_ojs_ml.integration.routing import intake_name, ml_queue
-from celery_ojs_ml.pending import HEADER_MSG
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.producer.routing import intake_name, ml_queue
+from celery_ojs_ml.store import broker as redis_intake
+from celery_ojs_ml.store.broker import PROCESSING_SUFFIX, RedisIntake
+from celery_ojs_ml.store.pending import HEADER_MSG
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess
 
@@ -272,7 +272,7 @@ def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
     worker's wake-up (capacity freed) ends it, so the capacity is filled at once
     (`FleetScheduler.step`, `Intake._sit_out`)."""
     from celery_ojs_ml import OJSML
-    from celery_ojs_ml.integration.scheduling import FleetScheduler
+    from celery_ojs_ml.leader.loop import FleetScheduler
 
     app = Celery("gap", broker=redis_url, set_as_current=False)
     OJSML(app)

@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.reservations import ReservationBook
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.store.reservations import ReservationBook
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

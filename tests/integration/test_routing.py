@@ -11,7 +11,7 @@ import redis
 from celery import Celery
 
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.plugin import OJSML
+from celery_ojs_ml.plugin import OJSML
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.normalize import normalize
 

@@ -13,9 +13,9 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ojs_ml.integration.scheduler_process import app_path
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.leader.process import app_path
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration import mlapp
 from tests.integration.workers import WorkerProcess
 

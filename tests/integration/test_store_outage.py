@@ -19,8 +19,8 @@ import redis
 from celery import Celery
 
 from celery_ojs_ml.errors import StoreUnavailable
-from celery_ojs_ml.integration.leases import LeaseBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.helpers import free_port, stop_process
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running

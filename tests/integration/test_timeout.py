@@ -21,8 +21,8 @@ from billiard.exceptions import TimeLimitExceeded
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_ojs_ml.integration.leases import LeaseBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

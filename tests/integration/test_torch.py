@@ -1,6 +1,6 @@
 """Real training survives a crash: a PyTorch CPU loop is SIGKILLed mid-run, resumes on the
 other worker from its last committed checkpoint, and ends with weights bit-for-bit equal
-to an uninterrupted run (issue 4; needs the `[torch]` extra, torch==2.13.0)."""
+to an uninterrupted run (needs the `[torch]` extra, torch==2.13.0)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import make_app
 from tests.integration.workers import WorkerProcess
 

@@ -1,5 +1,5 @@
 """Two workers on one host, started with disjoint CUDA_VISIBLE_DEVICES, never share a
-device (issue 13): each pins its tasks to its own devices, and CUDA_DEVICE_ORDER is set."""
+device: each pins its tasks to its own devices, and CUDA_DEVICE_ORDER is set."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

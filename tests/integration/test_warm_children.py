@@ -1,4 +1,4 @@
-"""Warm GPU children (`ojs_ml_recycle_gpu_children = "warm"`, issue 13) on real prefork
+"""Warm GPU children (`ojs_ml_recycle_gpu_children = "warm"`) on real prefork
 workers with simulated CUDA (the fake `libcuda.so` of tests/integration/mlapp.py).
 
 The invariant, for every task: the device set its process's CUDA was
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -21,11 +21,11 @@ from celery import Celery
 
 from celery_ojs_ml.capabilities import resolve_capabilities
 from celery_ojs_ml.errors import UnsatisfiableError
-from celery_ojs_ml.integration.leases import LeaseBook
 from celery_ojs_ml.matching import match
-from celery_ojs_ml.pending import PendingBook
 from celery_ojs_ml.spec.normalize import normalize
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 30.0
@@ -107,7 +107,7 @@ def wait_for_leader(store: OJSStore, timeout_s: float = 20.0) -> None:
     """Block until a scheduler is elected: a test whose premise is jobs arriving one by
     one at a running scheduler publishes after this (under load the first leader has
     taken 2 s to start, and jobs sent before then are all placed in one pass)."""
-    from celery_ojs_ml.pending import PendingBook
+    from celery_ojs_ml.store.pending import PendingBook
 
     deadline = time.monotonic() + timeout_s
     while PendingBook(store).leader() is None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_ojs_ml.integration.settings import read_settings
 from celery_ojs_ml.scheduler import PendingJob, Policy, RunningJob, WorkerState
+from celery_ojs_ml.wire.settings import read_settings
 from tests.scheduler.helpers import caps, req
 
 

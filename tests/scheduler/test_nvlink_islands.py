@@ -1,4 +1,4 @@
-"""The scheduler places `nvlink` jobs on free NVLink islands (issue 13: "a job asking for
+"""The scheduler places `nvlink` jobs on free NVLink islands (device mapping: "a job asking for
 `nvlink` gets devices that are NVLink peers of each other"). A worker reports the most
 free devices that are all peers (`WorkerState.nvlink_free`); a job that asks for more
 peers than that does not start there now, so the gate never has to give it back."""

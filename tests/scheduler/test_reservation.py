@@ -111,7 +111,7 @@ def test_with_no_known_end_the_reservation_holds_the_worker_that_lacks_least() -
 
 
 def test_a_4_gpu_job_under_a_stream_of_1_gpu_jobs_starts_within_two_small_time_limits() -> None:
-    """The issue's starvation scenario, replayed on the pure core.
+    """The starvation scenario, replayed on the pure core.
 
     Eight 1-GPU jobs stay in flight on one 4-GPU worker (four run, four wait),
     each with a 1.5 s time limit. When the 4-GPU job arrives, the four small jobs

@@ -19,8 +19,8 @@ import pytest
 import redis
 from redis.client import Pipeline
 
-from celery_ojs_ml.integration.leases import LeaseBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.registry import OJSStore
 
 _READS = frozenset({"GET", "MGET"})
 _SCRIPTS = frozenset({"EVALSHA", "EVAL"})

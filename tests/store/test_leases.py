@@ -12,8 +12,8 @@ import fakeredis
 import pytest
 import redis
 
-from celery_ojs_ml.integration.leases import LeaseBook, LeaseWriter
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
+from celery_ojs_ml.store.registry import OJSStore
 
 
 class Clock:
@@ -244,7 +244,7 @@ def test_a_lease_is_written_once_its_job_ran_for_the_delay_idle_2_ms_busy_20_ms(
 ) -> None:
     """DESIGN decision 4, batched: idle workers write 2 ms after dispatch; busy ones
     (a take in the last 50 ms) 20 ms after, so short jobs never cost a write."""
-    from celery_ojs_ml.integration import leases as module
+    from celery_ojs_ml.store import leases as module
 
     leases, _ = book
     loop = Loop()
@@ -278,7 +278,7 @@ def test_a_lease_is_written_once_its_job_ran_for_the_delay_idle_2_ms_busy_20_ms(
 
 def test_a_release_on_an_idle_worker_goes_out_within_2_ms(book: tuple[LeaseBook, Clock]) -> None:
     """A finished job's lease must not linger: a claimer would re-publish a done job."""
-    from celery_ojs_ml.integration import leases as module
+    from celery_ojs_ml.store import leases as module
 
     leases, _ = book
     loop = Loop()
@@ -402,7 +402,7 @@ def test_pack_command_sends_what_redis_py_would() -> None:
     from redis._parsers.encoders import Encoder
     from redis.connection import PythonRespSerializer
 
-    from celery_ojs_ml.integration.leases import pack_command
+    from celery_ojs_ml.store.leases import pack_command
 
     args = (
         "EVALSHA",

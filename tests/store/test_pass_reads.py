@@ -1,4 +1,4 @@
-"""`integration.pass_reads` on a real Redis: a leader pass's first reads in one round trip
+"""`leader.pass_reads` on a real Redis: a leader pass's first reads in one round trip
 give what the reads one by one give (the pending view, live workers, leases)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import fakeredis
 import redis
 
 from celery_ojs_ml.allocator.model import Demand
-from celery_ojs_ml.integration.fleet_view import Ledger
-from celery_ojs_ml.integration.leases import LeaseBook
-from celery_ojs_ml.integration.pass_inputs import PassInputs
-from celery_ojs_ml.integration.pass_reads import read_pass
-from celery_ojs_ml.integration.reservations import ReservationBook
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.pending_view import PendingView
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.leader.fleet_view import Ledger
+from celery_ojs_ml.leader.pass_inputs import PassInputs
+from celery_ojs_ml.leader.pass_reads import read_pass
+from celery_ojs_ml.leader.pending_view import PendingView
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.store.reservations import ReservationBook
 
 
 def _msg(task_id: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_ojs_ml.pending import (
+from celery_ojs_ml.store.pending import (
     ASSIGNED,
     HEADER_MSG,
     PENDING,
@@ -24,7 +24,7 @@ from celery_ojs_ml.pending import (
     TOMBSTONE_S,
     PendingBook,
 )
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 
 class Clock:
@@ -604,7 +604,7 @@ def test_a_batch_admission_admits_new_jobs_and_skips_known_ones(book: PendingBoo
 
 
 def test_a_job_given_back_records_when_so_the_leader_can_back_off(book: PendingBook) -> None:
-    from celery_ojs_ml.integration.scheduling import FleetScheduler
+    from celery_ojs_ml.leader.loop import FleetScheduler
 
     token = _assigned(book)
     assert book.give_back("job-1", token, "anti-affinity holds on a running job") is True

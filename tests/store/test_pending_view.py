@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from celery_ojs_ml.pending import PendingBook
-from celery_ojs_ml.pending_view import FULL_EVERY_S, PendingView
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.leader.pending_view import FULL_EVERY_S, PendingView
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.store.registry import OJSStore
 
 
 class Clock:

@@ -16,7 +16,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.registry import OJSStore
 
 A100 = {"ext_ml_gpu_count": 1, "ext_ml_gpu_type": "nvidia-a100"}
 CAPS = {"capabilities": {"gpu": {"type": "nvidia-a100", "count": 4}}}

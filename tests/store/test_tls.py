@@ -27,9 +27,9 @@ from celery_ojs_ml.checkpoint.preempt import (
     preemption_requested,
     request_preemption,
 )
-from celery_ojs_ml.integration.deadletter import dead_jobs, dead_letter
-from celery_ojs_ml.integration.leases import LeaseBook
-from celery_ojs_ml.store import OJSStore
+from celery_ojs_ml.store.deadletter import dead_jobs, dead_letter
+from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.registry import OJSStore
 from tests.helpers import ROOT, free_port, stop_process
 
 pytestmark = pytest.mark.integration

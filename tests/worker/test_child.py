@@ -9,11 +9,11 @@ from typing import Any
 import billiard.pool as bpool
 import pytest
 
+from celery_ojs_ml.child import pinning as child
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration import child
-from celery_ojs_ml.integration.settings import read_settings
-from celery_ojs_ml.integration.worker import configure_child_recycling
 from celery_ojs_ml.testing import fake_cuda
+from celery_ojs_ml.wire.settings import read_settings
+from celery_ojs_ml.worker.core import configure_child_recycling
 
 MAPS = "7f00-7f01 r-xp 00000000 08:01 42 /usr/lib/x86_64-linux-gnu/{name}\n"
 
@@ -202,7 +202,7 @@ def test_the_child_hooks_are_one_receiver_per_signal_and_none_on_task_success() 
 
 
 def _rank_task(stored: list[tuple[str, Any, str]]) -> Any:
-    from celery_ojs_ml.integration.gangs import HEADER_RENDEZVOUS
+    from celery_ojs_ml.worker.gangs import HEADER_RENDEZVOUS
 
     request = SimpleNamespace(id="rank-0", **{HEADER_RENDEZVOUS: {"size": 2}})
     backend = SimpleNamespace(
@@ -214,7 +214,7 @@ def _rank_task(stored: list[tuple[str, Any, str]]) -> Any:
 def test_postrun_stores_a_gang_ranks_result_on_success_only() -> None:
     """A gang rank runs with `ignore_result`; its success is stored by the child's
     `task_postrun` (the `task_success` receiver it replaced), its failure is not."""
-    from celery_ojs_ml.integration.worker_setup import _child_postrun
+    from celery_ojs_ml.worker.setup import _child_postrun
 
     stored: list[tuple[str, Any, str]] = []
     _child_postrun(task=_rank_task(stored), retval=41, state="FAILURE")

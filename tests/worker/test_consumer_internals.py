@@ -14,7 +14,7 @@ from typing import Any
 
 from celery.worker import loops
 
-from celery_ojs_ml.integration.advertising import Advertising
+from celery_ojs_ml.worker.advertising import Advertising
 
 
 def test_celerys_loops_set_the_message_callback_before_they_consume() -> None:

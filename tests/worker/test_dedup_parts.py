@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.integration.dedup import key_of, window_of
+from celery_ojs_ml.producer.dedup import key_of, window_of
 
 
 @pytest.mark.parametrize("opts", [{}, {"window_s": 0}, {"window_s": True}, 30, {"window_s": "5"}])

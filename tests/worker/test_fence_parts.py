@@ -6,7 +6,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from celery_ojs_ml.integration.lease_keeping import LeaseKeeping
+from celery_ojs_ml.worker.lease_keeping import LeaseKeeping
 
 
 class _Timer:

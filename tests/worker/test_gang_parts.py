@@ -12,7 +12,8 @@ from celery import Celery
 
 from celery_ojs_ml import OJSML
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.integration.gangs import (
+from celery_ojs_ml.spec.documents import load_text
+from celery_ojs_ml.worker.gangs import (
     env_of,
     gang_headers,
     master_port,
@@ -20,7 +21,6 @@ from celery_ojs_ml.integration.gangs import (
     set_env,
     stop_rank,
 )
-from celery_ojs_ml.spec.documents import load_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

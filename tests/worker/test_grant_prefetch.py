@@ -14,7 +14,7 @@ from typing import Any
 from celery.worker.consumer.consumer import Consumer
 from kombu.common import QoS
 
-from celery_ojs_ml.integration.granted import Granted
+from celery_ojs_ml.worker.granted import Granted
 
 
 def _holder(processes: Any, multiplier: Any, gpus: int, prefetch: int = 2) -> Granted:

@@ -1,4 +1,4 @@
-"""The per-child model cache's rules (`integration.models`): keys, LRU by count and VRAM."""
+"""The per-child model cache's rules (`child.models`): keys, LRU by count and VRAM."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from celery_ojs_ml.integration import models
+from celery_ojs_ml.child import models
 
 
 @pytest.fixture(autouse=True)

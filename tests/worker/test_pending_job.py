@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from celery_ojs_ml.integration.fleet_view import pending_job
+from celery_ojs_ml.leader.fleet_view import pending_job
 from celery_ojs_ml.spec.normalize import normalize
 
 
@@ -37,7 +37,7 @@ def test_a_workers_reported_free_nvlink_island_is_read_safely(
 ) -> None:
     """A worker's `nvlink_free` (the most free devices that are all peers) is capped by its
     free GPUs less what was assigned since; a foreign value counts as not reported."""
-    from celery_ojs_ml.integration.fleet_view import nvlink_free
+    from celery_ojs_ml.leader.fleet_view import nvlink_free
 
     assert nvlink_free({"free": {"nvlink_free": reported}}, gpus) == expected
 
@@ -47,7 +47,7 @@ def test_the_heartbeats_free_island_reaches_the_schedulers_worker_state() -> Non
     caps it by the GPUs it assigned there since (the ledger)."""
     from celery_ojs_ml.allocator.model import Demand
     from celery_ojs_ml.capabilities import resolve_capabilities
-    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.leader.fleet_view import worker_states
     from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
@@ -64,7 +64,7 @@ def test_a_workers_free_processes_are_its_pools_less_its_allocations_and_the_led
     and the jobs assigned since (the ledger's count), below 0 when jobs wait in its
     pool's queue; none reported: not counted."""
     from celery_ojs_ml.capabilities import resolve_capabilities
-    from celery_ojs_ml.integration.fleet_view import processes_free, worker_states
+    from celery_ojs_ml.leader.fleet_view import processes_free, worker_states
     from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
@@ -91,7 +91,7 @@ def test_a_job_held_ahead_at_a_gate_counts_in_its_queues_share_only_once_it_star
     shows (`budget_inflight`); one delivered ahead of capacity (`ojs_ml_prefetch`) waits
     at its worker's gate and holds no GPU, so it is counted from its start, not before
     (counting it made `infer` look as if it held GPUs it was only waiting for)."""
-    from celery_ojs_ml.integration.budget_holds import BudgetHold, budget_inflight
+    from celery_ojs_ml.leader.budget_holds import BudgetHold, budget_inflight
 
     holds = {
         "ahead": BudgetHold("infer", 1, "w"),
@@ -114,7 +114,7 @@ def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_has_ended
     queue's holdings (its queue would look past its fair share). A heartbeat older than
     the job's start, or one that still shows it allocated, keeps it running."""
     from celery_ojs_ml.capabilities import resolve_capabilities
-    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.leader.fleet_view import worker_states
     from celery_ojs_ml.lru import LRU
     from celery_ojs_ml.scheduler.fair import held_gpus
 
@@ -145,7 +145,7 @@ def test_jobs_a_holder_started_under_a_grant_since_its_heartbeat_take_its_free_c
     sent where it no longer fits. A job the heartbeat shows, or one not sent under a
     grant (the ledger counts those), is not taken twice."""
     from celery_ojs_ml.capabilities import resolve_capabilities
-    from celery_ojs_ml.integration.fleet_view import worker_states
+    from celery_ojs_ml.leader.fleet_view import worker_states
     from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from celery_ojs_ml.integration.delivery import _prioritized
-from celery_ojs_ml.integration.gate import band_priority
+from celery_ojs_ml.leader.delivery import _prioritized
+from celery_ojs_ml.worker.gate import band_priority
 
 
 def test_the_gate_reads_the_celery_priority_a_request_keeps_in_its_delivery_info() -> None:

@@ -1,4 +1,4 @@
-"""Run-time limits the fleet scheduler estimates ends and backfill from (issue 11): an
+"""Run-time limits the fleet scheduler estimates ends and backfill from: an
 `ext_ml_timeout_seconds`, else the hard limit Celery enforces (the message's
 `timelimit`, the task's `time_limit`, `task_time_limit`). A soft limit alone is no end:
 a task may catch `SoftTimeLimitExceeded` and go on, so backfilling on it could delay a
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from celery_ojs_ml.integration.fleet_view import _running
-from celery_ojs_ml.integration.worker_setup import hard_time_limit
+from celery_ojs_ml.leader.fleet_view import _running
 from celery_ojs_ml.spec.normalize import normalize
+from celery_ojs_ml.worker.setup import hard_time_limit
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_a_leases_celery_time_limit_is_the_running_jobs_end_unless_ext_ml_timeou
 def test_a_waiting_jobs_duration_for_backfill_is_its_hard_limit_not_a_soft_one() -> None:
     """The leader's pending record (`Intake._meta`): a job backfills only if its own
     limit ends before the reserved start, so the limit must be one Celery enforces."""
-    from celery_ojs_ml.integration.intake import Intake
+    from celery_ojs_ml.leader.intake import Intake
 
     def meta(headers: dict[str, Any], conf_limit: Any = None) -> Any:
         conf = SimpleNamespace(task_time_limit=conf_limit)

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from celery_ojs_ml.integration.wakeup import wake_consumer
+from celery_ojs_ml.worker.wakeup import wake_consumer
 
 
 def _blocked(client: redis.Redis) -> Any:

@@ -1,4 +1,4 @@
-"""The celery/billiard/kombu internals `integration.warm_pool` relies on (checked against
+"""The celery/billiard/kombu internals `worker.warm_pool` relies on (checked against
 celery 5.7.0, billiard 4.3.2, kombu 5.x). Each test fails when one of them changes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import billiard.pool
 from celery.concurrency import asynpool
 from kombu.asynchronous import Hub
 
-from celery_ojs_ml.integration import warm_pool
+from celery_ojs_ml.worker import warm_pool
 
 
 def test_warm_pool_finds_every_internal_it_needs_on_the_asynpool_class() -> None:

@@ -1,4 +1,4 @@
-"""Issue 13, warm children with fewer pool processes than GPUs: a job that waits for a
+"""Warm children with fewer pool processes than GPUs: a job that waits for a
 pool child is routed to an idle warm child before a later job can take that child.
 
 With `-c 2` on a 4-GPU worker, dispatched jobs beyond two hold their devices while
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from celery_ojs_ml.integration import warm_pool
-from celery_ojs_ml.integration.worker import MLWorker
+from celery_ojs_ml.worker import warm_pool
+from celery_ojs_ml.worker.core import MLWorker
 from tests.allocator.helpers import allocator, job, started
 
 ONE = job(gpu_count=1)

@@ -1,0 +1,1 @@
+"""The pool child: device pinning around a task body, GPU-share env and the model cache."""

@@ -1,0 +1,154 @@
+"""The per-child model cache for tasks (`ml.model`) and its live advertisement.
+
+A warm pool child (`warm_pool`) keeps its CUDA context between tasks, so it
+can keep the models it loaded too:
+
+    @app.task(bind=True, ml={"ext_ml_gpu_count": 1, "ext_ml_model_id": "resnet"})
+    def infer(self, x):
+        net = model(self, ("resnet", "v2"), lambda: load_resnet("v2"))
+        return net(x)
+
+Key decisions:
+- Keys are (model id, version); eviction is least recently used, by count
+  (`ojs_ml_model_cache_size`) and, when loaders declare `vram_gb`, by
+  declared VRAM (`ojs_ml_model_cache_vram_gb`). The model just loaded is never
+  evicted to make room for itself.
+- After each change a child writes the models it holds (and its devices) to
+  the store hash `<prefix>:models:<worker>`, field = its pid. The worker's
+  heartbeat merges them into `models_loaded` (§11) and drops fields of
+  children that are gone, so the scheduler's locality term (§11.3) sees live
+  facts within a heartbeat, and the gate prefers the devices of the idle child
+  that holds the requested model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Key = tuple[str, str]
+_CACHE: OrderedDict[Key, tuple[Any, float | None]] = OrderedDict()
+_STATS = {"loads": 0, "hits": 0}
+
+
+def _key(key: Any) -> Key:
+    if isinstance(key, str) and key:
+        return (key, "")
+    if isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key):
+        return (key[0], key[1])
+    raise TypeError(f"model key is {key!r}; use (model_id, model_version) or a model id string")
+
+
+def model(task: Any, key: Any, loader: Callable[[], T], *, vram_gb: float | None = None) -> T:
+    """The model under `key` for this pool child: loaded once by `loader`, then reused."""
+    k = _key(key)
+    hit = _CACHE.get(k)
+    if hit is not None:
+        _CACHE.move_to_end(k)
+        _STATS["hits"] += 1
+        return hit[0]  # type: ignore[no-any-return]
+    value = loader()
+    _STATS["loads"] += 1
+    _CACHE[k] = (value, vram_gb)
+    settings = _settings(task)
+    evict(
+        int(getattr(settings, "model_cache_size", 2)),
+        getattr(settings, "model_cache_vram_gb", None),
+    )
+    publish(task)
+    return value
+
+
+def evict(max_models: int, max_vram_gb: float | None) -> list[Key]:
+    """Drop least recently used models past the bounds (never the most recent one)."""
+    gone = []
+    while len(_CACHE) > 1 and (
+        len(_CACHE) > max_models or (max_vram_gb is not None and _vram() > max_vram_gb)
+    ):
+        k, _ = _CACHE.popitem(last=False)
+        gone.append(k)
+        log.info("ojs-ml: evicted model %s@%s from pool child %s", k[0], k[1], os.getpid())
+    return gone
+
+
+def _vram() -> float:
+    return sum(v or 0.0 for _, v in _CACHE.values())
+
+
+def loaded() -> list[Key]:
+    """The (model id, version) pairs this process holds, least recently used first."""
+    return list(_CACHE)
+
+
+def stats() -> dict[str, int]:
+    """Loads and hits in this process (for tests and benchmarks)."""
+    return dict(_STATS)
+
+
+def clear() -> None:
+    """Forget every model (tests)."""
+    _CACHE.clear()
+
+
+def _settings(task: Any) -> Any:
+    plugin = getattr(getattr(task, "app", None), "ojs_ml", None)
+    return getattr(plugin, "settings", None)
+
+
+def publish(task: Any) -> None:
+    """Write this child's models to the store for its worker's heartbeat (best effort)."""
+    request = getattr(task, "request", None)
+    worker = getattr(request, "ojs_node", None) or getattr(request, "hostname", None)
+    plugin = getattr(getattr(task, "app", None), "ojs_ml", None)
+    if not worker or plugin is None:
+        return
+    entry = {
+        "devices": list(getattr(request, "ojs_devices", None) or []),
+        "models": [{"model_id": m, **({"model_version": v} if v else {})} for m, v in _CACHE],
+    }
+    try:
+        store = plugin.store
+        store.client.hset(store.key("models", str(worker)), str(os.getpid()), json.dumps(entry))
+    except Exception as exc:
+        log.warning("ojs-ml: could not advertise the loaded models: %s", exc)
+
+
+def live_models(store: Any, worker: str, alive: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """Each live child's entry (pid -> {devices, models}); entries of gone pids are dropped."""
+    key = store.key("models", worker)
+    found: dict[int, dict[str, Any]] = {}
+    stale = []
+    pids = set(alive)
+    for pid, raw in store.client.hgetall(key).items():
+        try:
+            n, entry = int(pid), json.loads(raw)
+        except (TypeError, ValueError):
+            stale.append(pid)
+            continue
+        if n in pids and isinstance(entry, dict):
+            found[n] = entry
+        else:
+            stale.append(pid)
+    if stale:
+        store.client.hdel(key, *stale)
+    return found
+
+
+def merged(
+    static: Iterable[Mapping[str, Any]], live: Mapping[int, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """`models_loaded`: the static ones, then the live ones, each once."""
+    out: list[dict[str, Any]] = []
+    seen = set()
+    for m in [*static, *(m for e in live.values() for m in e.get("models") or [])]:
+        ident = (m.get("model_id"), m.get("model_version"))
+        if ident[0] and ident not in seen:
+            seen.add(ident)
+            out.append(dict(m))
+    return out

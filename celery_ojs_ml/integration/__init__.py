@@ -1,1 +1,0 @@
-"""Celery integration: the `OJSML(app)` plugin, router, worker bootsteps and hooks."""

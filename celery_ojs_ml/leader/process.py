@@ -1,0 +1,126 @@
+"""The fleet scheduler candidate in its own process (`ojs_ml_scheduler = "auto"`).
+
+Responsibility: start one `FleetScheduler` candidate per worker in a spawned
+child process, stop it with the worker, and make sure it never outlives it.
+
+Key decisions:
+- A process, not a thread: a leader thread in the worker's main process
+  competes with the gate for the GIL, and on a busy worker every socket
+  write of the main loop then waits for the scheduler's pass (measured in
+  docs/scheduling.md "Performance"). A spawned interpreter runs beside it.
+- Spawned, not forked: a fork of the worker main process would inherit the
+  pool's pipes and the broker connections. The child imports the app by its
+  module path (found by identity in `sys.modules`, so `celery -A proj` and
+  `-A proj.celery:app` both work); where no path is found, or the broker is
+  `memory://` (the embedded demo: nothing to share across processes), the
+  candidate runs as a thread instead, and the worker logs which.
+- The child dies with its worker: Linux `PR_SET_PDEATHSIG`, plus a parent-pid
+  watch where that is not available. On SIGTERM it resigns the lock, so a warm
+  shutdown hands the lead over at once instead of after the lock's TTL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_LOG_FORMAT = "[%(asctime)s: %(levelname)s/OJSScheduler] %(message)s"
+
+
+def app_path(app: Any) -> str | None:
+    """`module:attribute` of a module-level name bound to `app`, or None."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name == "__main__" or name.startswith(("celery.", "kombu.")):
+            continue
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            if value is app and not attr.startswith("_"):
+                return f"{name}:{attr}"
+    return None
+
+
+class CandidateProcess:
+    """A spawned process running one scheduler candidate; `stop()` ends it."""
+
+    def __init__(self, path: str, candidate: str, level: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(
+            target=child_main,
+            args=(path, candidate, os.getpid(), level),
+            name="ojs-ml-scheduler",
+            daemon=True,
+        )
+
+    def start(self) -> CandidateProcess:
+        self.proc.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (it resigns the lock), then SIGKILL after `timeout_s`."""
+        if self.proc.pid is None or not self.proc.is_alive():
+            return
+        self.proc.terminate()
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(1.0)
+
+
+def start_candidate(app: Any, candidate: str, *, thread: bool = False) -> Any:
+    """A running candidate for `app`: a process where possible, else a thread (see above)."""
+    from celery_ojs_ml.leader.loop import FleetScheduler
+
+    in_memory = str(app.conf.broker_url or "").startswith("memory://")
+    path = None if thread or in_memory else app_path(app)
+    if path is not None:
+        log.info("ojs-ml: the scheduler candidate runs in its own process (%s)", path)
+        return CandidateProcess(path, candidate, logging.getLogger().getEffectiveLevel()).start()
+    log.info("ojs-ml: the scheduler candidate runs in a thread of this worker")
+    loop = FleetScheduler(app, candidate=candidate)
+    threading.Thread(target=loop.run, name="ojs-ml-scheduler", daemon=True).start()
+    return loop
+
+
+def child_main(path: str, candidate: str, parent_pid: int, level: int) -> None:
+    """Entry point of the spawned process: import the app, lead when elected."""
+    logging.basicConfig(level=level, format=_LOG_FORMAT, stream=sys.stderr)
+    _die_with_parent()
+    module, _, attr = path.partition(":")
+    app = getattr(importlib.import_module(module), attr)
+    from celery_ojs_ml.leader.loop import FleetScheduler
+
+    loop = FleetScheduler(app, candidate=candidate)
+    signal.signal(signal.SIGTERM, lambda *_: loop.stop())
+    signal.signal(signal.SIGINT, lambda *_: loop.stop())
+    threading.Thread(target=_watch_parent, args=(parent_pid, loop), daemon=True).start()
+    loop.run()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        log.debug("ojs-ml: no prctl; the scheduler watches its parent's pid instead")
+
+
+def _watch_parent(parent_pid: int, loop: Any) -> None:
+    """Stop the candidate once the worker that started it is gone."""
+    while os.getppid() == parent_pid:
+        if loop.wait_stopped(0.5):
+            return
+    loop.stop()

@@ -1,0 +1,406 @@
+"""`OJSML(app)`: add ML routing, worker capabilities and GPU pinning to a Celery app.
+
+Key decision: the plugin plugs in only through public hooks (a `task_routes`
+router, a `before_task_publish` receiver, consumer bootsteps, a worker CLI
+option and remote-control commands), so every task without ML attributes
+behaves exactly as in plain Celery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from celery import Celery, signals
+
+from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.matching import match, pending_message
+from celery_ojs_ml.producer.routing import (
+    HEADER_BAND,
+    HEADER_CLASS,
+    HEADER_LOGICAL,
+    HEADER_PENDING,
+    MLRouter,
+)
+from celery_ojs_ml.producer.submission import Submitting
+from celery_ojs_ml.spec.envelope import ParseOptions
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store.grants import (
+    GrantBook,
+    end_grants_of,
+    grants_usable,
+    locate_granted,
+    queue_grantable,
+)
+from celery_ojs_ml.store.pending import HEADER_MSG
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.settings import OJSMLSettings, read_settings
+
+log = logging.getLogger(__name__)
+_LIVE_CACHE_S = 1.0
+_TAKE_BACK_S = 5.0
+"""How long `prioritize` waits for the leader to take back a job sent under a grant."""
+_IN_FLIGHT_S = 0.5
+"""How long `prioritize` looks again for a job it finds nowhere (a message a worker has
+popped off its queue is in no list until kombu records it as unacknowledged)."""
+_ROUTED = threading.local()
+"""The plugin that routed the message being published on this thread (router -> publish)."""
+
+
+class OJSML(Submitting):
+    """The plugin object; one per Celery app (`OJSML(app)` is idempotent)."""
+
+    def __init__(self, app: Celery) -> None:
+        existing = getattr(app, "ojs_ml", None)
+        self.app = app
+        self._settings: OJSMLSettings | None = None
+        self._store: OJSStore | None = None
+        self._registered: LRU[tuple[str, str, str], int] = LRU(4096)
+        """(class, queue, band) -> the registry version seen when it was registered."""
+        self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
+        self._eligible: LRU[tuple[str, str], tuple[float, str | None]] = LRU(4096)
+        self._store_version = 0
+        self._grants: GrantBook | None = None
+        self._grants_on: bool | None = None
+        if isinstance(existing, OJSML):
+            return
+        app.ojs_ml = self
+        self._install_router()
+        signals.before_task_publish.connect(_apply_time_limit, weak=False)
+        signals.before_task_publish.connect(_record_pending, weak=False)
+        from celery_ojs_ml.producer import dedup
+        from celery_ojs_ml.worker.core import install
+
+        install(app)
+        dedup.install(app)
+
+    # -- configuration -------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> OJSMLSettings:
+        """`ojs_ml_*` settings, read once and cached."""
+        if self._settings is None:
+            self._settings = read_settings(self.app.conf)
+        return self._settings
+
+    @property
+    def parse_options(self) -> ParseOptions:
+        """Validator options (bounds, queue policies) from the settings."""
+        return self.settings.parse_options()
+
+    @property
+    def store(self) -> OJSStore:
+        """The Redis store; `ojs_ml_store_url`, else the broker URL when that is Redis."""
+        if self._store is None:
+            url = self.settings.store_url or _redis_broker(self.app)
+            if url is None:
+                raise ConfigError(
+                    "ojs_ml_store_url is not set and the broker is not Redis; set it, e.g. "
+                    'app.conf.ojs_ml_store_url = "redis://127.0.0.1:6379/2"'
+                )
+            self._store = OJSStore.from_url(url, prefix=self.settings.store_prefix)
+        return self._store
+
+    @property
+    def defaulted_queues(self) -> frozenset[str]:
+        """Logical queues whose policy has `ml_defaults`: their tasks are ML jobs (§10.1)."""
+        return self.settings.defaulted_queues
+
+    def store_url(self) -> str:
+        """The store's URL as configured, with any password masked (for messages)."""
+        url = self.settings.store_url or _redis_broker(self.app) or "(no store URL)"
+        parts = urlsplit(url)
+        if parts.password:
+            host = parts.netloc.rsplit("@", 1)[-1]
+            user = f"{parts.username}:***@" if parts.username else ":***@"
+            parts = parts._replace(netloc=user + host)
+        return urlunsplit(parts)
+
+    @contextmanager
+    def store_errors(self) -> Iterator[None]:
+        """Turn a store failure at publish into one `StoreUnavailable` naming the store."""
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise StoreUnavailable(
+                f"the OJS ML store at {self.store_url()} is unavailable ({exc}); nothing was "
+                "published. Check that Redis is up and ojs_ml_store_url is right, then retry"
+            ) from exc
+
+    def use_store(self, store: OJSStore) -> None:
+        """Use a given store (the embedded demo passes a fakeredis one)."""
+        self._store = store
+        if self._grants is not None:
+            self._grants.close()  # its watch connection was to the old store
+        self._grants = None
+
+    @property
+    def grant_book(self) -> GrantBook:
+        """The grants of this app's store (`store.grants`)."""
+        if self._grants is None:
+            self._grants = GrantBook(self.store)
+        return self._grants
+
+    def grants_on(self, logical: str) -> bool:
+        """Whether jobs of `logical` may be published under a grant (`grants_usable`)."""
+        if self._grants_on is None:
+            self._grants_on = grants_usable(self.app)
+        return self._grants_on and queue_grantable(self.settings, logical)
+
+    def _install_router(self) -> None:
+        routes = self.app.conf.task_routes
+        existing = (
+            list(routes) if isinstance(routes, list | tuple) else ([routes] if routes else [])
+        )
+        self.app.conf.task_routes = [MLRouter(self), *existing]
+
+    # -- publish-side helpers used by the router ---------------------------------------------
+
+    def register_class(
+        self, cid: str, constraints: dict[str, Any], logical: str, band: str
+    ) -> None:
+        """Register a (class, logical queue, band) once per store lifetime; workers pick it up.
+
+        The registry version only grows, so a version below the one seen at
+        registration means the store restarted empty: register again.
+        """
+        key = (cid, logical, band)
+        seen = self._registered.get(key)
+        if seen is not None and seen <= self._store_version:
+            return
+        self.store.register_class(cid, constraints, logical_queue=logical, band=band)
+        self._store_version = self.store.classes_version()
+        self._registered[key] = self._store_version
+
+    def live_workers(self) -> list[tuple[Capabilities, frozenset[str] | None]]:
+        """(capabilities, consumed queues) of the live workers, cached for a second.
+
+        The queues are None for a worker that does not advertise them.
+        """
+        stamp, cached = self._live
+        now = time.monotonic()
+        if now - stamp > _LIVE_CACHE_S:
+            cached = []
+            version = self.store.classes_version()
+            if version < self._store_version:
+                self._registered.clear()  # the store restarted empty
+            self._store_version = version
+            for w in self.store.live_workers().values():
+                queues = (w.get("info") or {}).get("queues")
+                consumed = None if queues is None else frozenset(queues)
+                cached.append((parse_capabilities(w["capabilities"]), consumed))
+            self._live = (now, cached)
+        return cached
+
+    def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
+        """The pending reason when no live worker could ever run the job, else None.
+
+        A worker counts if it consumes the job's logical queue and its
+        capabilities satisfy the class. Eligibility depends only on the class,
+        the logical queue and the live workers, so it is computed once per
+        (class, queue) per live-worker refresh.
+        """
+        live = self.live_workers()
+        stamp = self._live[0]
+        known = self._eligible.get((cid, logical))
+        if known is not None and known[0] == stamp:
+            reason = known[1]
+        else:
+            serving = [caps for caps, queues in live if queues is None or logical in queues]
+            if live and not serving:
+                reason = (
+                    f"0/{len(live)} live workers consume queue {logical!r}; start one with "
+                    f"`celery worker -Q {logical}`"
+                )
+            else:
+                results = [match(req, caps) for caps in serving]
+                reason = None if any(r.eligible for r in results) else pending_message(results)
+            self._eligible[(cid, logical)] = (stamp, reason)
+        if reason is None:
+            return None
+        if self.settings.deny_unsatisfiable:
+            raise UnsatisfiableError(
+                f"no live worker can ever run this job: {reason}; start a worker that can, "
+                "or set ojs_ml_deny_unsatisfiable=False to let the job wait"
+            )
+        _ROUTED.plugin = self
+        return reason
+
+    def mark_pending(self, headers: dict[str, Any]) -> None:
+        """Store the pending record of a job being published and announce it (OJS §7.2)."""
+        task_id = str(headers.get("id"))
+        record = {
+            "reason": headers[HEADER_PENDING],
+            "task": headers.get("task"),
+            "class_id": headers.get(HEADER_CLASS),
+            "band": headers.get(HEADER_BAND),
+            "queue": headers.get(HEADER_LOGICAL),
+        }
+        try:
+            self.store.set_pending(task_id, record)
+            with self.app.events.default_dispatcher() as dispatcher:
+                dispatcher.send("ojs-resource-waiting", uuid=task_id, **record)
+        except Exception as exc:  # the job is published either way; say why it waits in the log
+            log.warning("ojs-ml: could not record that %s waits (%s): %s", task_id, record, exc)
+        log.info("ojs-ml: %s waits: %s", task_id, record["reason"])
+
+    # -- RFC 27 requests on the pending set ---------------------------------------------------
+
+    def prioritize(self, task_id: str, priority: int) -> bool:
+        """RFC 27 prioritize: reorder a job no worker has started; False when none waits.
+
+        A job assigned but not started yet (delivered ahead with `ojs_ml_prefetch`, or
+        held while its victims yield) is taken back first, fenced by its token, so it
+        is placed again in its new order; a gate that starts it first wins.
+        """
+        from celery_ojs_ml.store.pending import ASSIGNED, PendingBook
+
+        book = PendingBook(self.store)
+
+        def reorder() -> bool:
+            if book.prioritize(task_id, priority):
+                return True
+            record = book.get(task_id) or {}
+            token = record.get("token")
+            if record.get("state") == ASSIGNED and token:
+                why = f"prioritized to {int(priority)}: placed again in its new order"
+                if book.take_back(task_id, str(token), why, cool=False):
+                    return book.prioritize(task_id, priority)
+            return False
+
+        changed = reorder() or self._reorder_granted(task_id, reorder)
+        if changed:
+            self._wake()
+        return changed
+
+    def _reorder_granted(self, task_id: str, reorder: Any) -> bool:
+        """A job sent under a grant (`store.grants`): end its holder's grants, so
+        the leader takes it back, then reorder it once it waits in the pending set."""
+        if not grants_usable(self.app):
+            return False
+        found = locate_granted(self, task_id)
+        seek = time.monotonic() + _IN_FLIGHT_S
+        while found is None:  # between a worker's BRPOP and kombu's unacked entry?
+            if reorder():
+                return True
+            if time.monotonic() > seek:
+                return False
+            time.sleep(0.05)
+            found = locate_granted(self, task_id)
+        end_grants_of(self, found[0])
+        self._wake()
+        deadline = time.monotonic() + _TAKE_BACK_S
+        while time.monotonic() < deadline:
+            if reorder():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def cancel(self, task_id: str) -> bool:
+        """RFC 27 cancel: drop a job no worker has started and revoke it; False if not waiting."""
+        from celery_ojs_ml.store.pending import PendingBook
+
+        dropped = PendingBook(self.store).cancel(task_id)
+        self.app.control.revoke(task_id)
+        return dropped
+
+    # -- reservations (OJS ML §8.3; docs/scheduling.md) ------------------------------------
+
+    def reserve(
+        self,
+        requirements: dict[str, Any],
+        *,
+        reservation_id: str | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
+        """Create a reservation of `requirements` (the job vocabulary) and return its id.
+
+        The scheduler places it like a job and holds its capacity idle for the
+        jobs that name it in `ext_ml_reservation_id`; it ends at `release` or
+        after `timeout_s` (else the requirements' `ext_ml_reservation_timeout_s`,
+        else `ojs_ml_reservation_timeout_s`).
+        """
+        from celery_ojs_ml.store.reservations import ReservationBook, new_id, reservable
+
+        rid = new_id(reservation_id)
+        req, timeout = reservable(requirements, timeout_s, self.parse_options, self.settings)
+        with self.store_errors():
+            ReservationBook(self.store).create(rid, req.flat(), timeout)
+        self._wake()
+        return rid
+
+    def check_reservation(self, req: MLRequirements) -> None:
+        """§8.3 MUST verify at publish: the job's reservation exists and can hold it."""
+        from celery_ojs_ml.spec.envelope import requirements_of
+        from celery_ojs_ml.store.reservations import ReservationBook, check_at_publish
+
+        def static(rid: str) -> bool:  # a worker labelled reservation_id (a static reservation)
+            return any(
+                c.derived_labels().get("reservation_id") == rid for c, _ in self.live_workers()
+            )
+
+        def parse(attrs: Any) -> MLRequirements:
+            return requirements_of(attrs, None, self.parse_options)[0]
+
+        book = ReservationBook(self.store)
+        check_at_publish(book, req, static, self.settings.max_reservation_s, parse)
+
+    def release(self, reservation_id: str) -> bool:
+        """End a reservation: its idle capacity is free again; False if it was not held."""
+        from celery_ojs_ml.store.reservations import ReservationBook
+
+        with self.store_errors():
+            ended = ReservationBook(self.store).end(reservation_id, "released")
+        self._wake()
+        return ended
+
+    def reservations(self) -> dict[str, dict[str, Any]]:
+        """Every reservation record by id (`celery ojs-ml reservations` prints them)."""
+        from celery_ojs_ml.store.reservations import ReservationBook
+
+        return ReservationBook(self.store).all()
+
+    def _wake(self) -> None:
+        from celery_ojs_ml.leader.loop import send_wake
+
+        try:
+            send_wake(self.app, "api")
+        except Exception as exc:  # the scheduler passes on its own interval too
+            log.debug("ojs-ml: could not wake the scheduler: %s", exc)
+
+
+def _redis_broker(app: Celery) -> str | None:
+    url = app.conf.broker_url or ""
+    return str(url) if str(url).startswith(("redis://", "rediss://", "unix://")) else None
+
+
+def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """`before_task_publish`: each publish of an ML job gets a unique `ojs_msg` id (admission
+    is idempotent per message, `PendingBook.admit_many`); §14.3: ext_ml_timeout_seconds
+    becomes the execution time limit, overriding the task's."""
+    if not headers:
+        return
+    if headers.get(HEADER_CLASS):
+        headers[HEADER_MSG] = uuid.uuid4().hex
+    timeout = headers.get("ext_ml_timeout_seconds")
+    if isinstance(timeout, int) and timeout > 0:
+        headers["timelimit"] = (timeout, None)
+
+
+def _record_pending(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """`before_task_publish`: the router found no live worker; record why the job waits."""
+    plugin = getattr(_ROUTED, "plugin", None)
+    if plugin is None:
+        return
+    _ROUTED.plugin = None
+    if headers and headers.get(HEADER_PENDING):
+        plugin.mark_pending(headers)

@@ -1,0 +1,1 @@
+"""The publishing process: routing, submission and dedup of ML jobs."""

@@ -1,0 +1,254 @@
+"""Publish side: validate requirements and route ML jobs to the fleet scheduler's intake.
+
+Key decision: a router function in `task_routes` is the one public hook that
+sees both the task object (its `ml=` option) and the call's headers, and it runs
+before anything is published, so an invalid job raises with the validator's
+message and nothing reaches the broker. Jobs without hard constraints return
+None and keep the queue plain Celery routing gives them. A task sent without
+ML attributes to a queue whose policy has `ml_defaults` is an ML job (OJS ML
+§10.1: the defaults apply to every job of the queue); tasks of other queues
+are never touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kombu import Exchange, Queue  # type: ignore[attr-defined]
+
+from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.scheduler.grants import grant_key, grantable
+from celery_ojs_ml.spec.classes import (
+    BANDS,
+    band,
+    class_id,
+    hard_constraints,
+    has_hard_constraints,
+)
+from celery_ojs_ml.spec.envelope import requirements_of
+from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
+from celery_ojs_ml.store.grants import HEADER_GRANT, HEADER_GRANT_AT
+from celery_ojs_ml.wire.labels import HEADER_LABELS, declared_labels
+
+if TYPE_CHECKING:
+    from celery_ojs_ml.plugin import OJSML
+
+HEADER_CLASS = "ojs_class"
+HEADER_BAND = "ojs_band"
+HEADER_LOGICAL = "ojs_logical_queue"
+HEADER_PENDING = "ojs_pending"
+"""Set when no live worker could run the job at publish; the reason is the value."""
+PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
+SCHEDULER_HEADERS = (
+    "ojs_assign",
+    "ojs_victims",
+    "ojs_rendezvous",
+    "ojs_prefetch",
+    "ojs_grant",
+    "ojs_grant_at",
+)
+"""Set by the scheduler on one delivery; never carried into a new publish."""
+
+
+def worker_queue_name(prefix: str, worker: str) -> str:
+    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
+    return f"{prefix}.ml.w.{worker}"
+
+
+def intake_name(prefix: str) -> str:
+    """The queue every ML job is published to first; only the fleet scheduler reads it."""
+    return f"{prefix}.ml.intake"
+
+
+def ml_queue(name: str, *, declare: bool = True) -> Queue:
+    """The one definition of a requirement-class queue, used by producers and workers alike.
+
+    `declare=False` (a worker re-adding a queue it declared on this connection)
+    skips the declaration round trips when it starts consuming again.
+    """
+    exchange = Exchange(name, type="direct")  # type: ignore[no-untyped-call]
+    return Queue(name, exchange, routing_key=name, no_declare=not declare)  # type: ignore[no-untyped-call]
+
+
+PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+"""kombu's Redis transport keeps a queue's priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
+
+
+def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The (logical queue, band) pairs of a class registry entry (`OJSStore.classes`).
+
+    A logical queue registered without bands (by an older producer) counts in every band.
+    """
+    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
+    known = {q for q, _ in routes}
+    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
+    return routes
+
+
+def queue_name(logical: str, cid: str, band_name: str) -> str:
+    """`<logical queue>.ml.<class id>.<band>`."""
+    return f"{logical}.ml.{cid}.{band_name}"
+
+
+def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The task's `ml=` option overlaid with per-call `ext_ml_*`/`ext_mlx_*`/`ojs_ml_gpu_share`
+    headers.
+
+    Raises SpecError naming `ml` when the task option is not a mapping; header
+    keys that are not strings are not ML attributes (they pass through).
+    """
+    ml = getattr(task, "ml", None)
+    if ml is not None and not isinstance(ml, Mapping):
+        raise SpecError(
+            Violation(
+                "ml",
+                f"is {ml!r}, not a mapping of ext_ml_* attributes",
+                "OJS ML §3",
+                'declare the task with ml={"ext_ml_gpu_count": 1}',
+            )
+        )
+    attrs = dict(ml or {})
+    for key, value in (headers or {}).items():
+        if _is_ml(key):
+            attrs[key] = value
+    return attrs
+
+
+def _is_ml(key: Any) -> bool:
+    """`ext_ml_*`, `ext_mlx_*` and this project's requirement keys (`ojs_ml_gpu_share`)."""
+    return isinstance(key, str) and (key.startswith("ext_ml") or key in PROJECT_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class _Resolved:
+    """What the router derives from one (logical queue, declared attributes) pair."""
+
+    req: MLRequirements
+    headers: dict[str, Any]
+    hard: bool
+    cid: str
+    band: str
+    constraints: dict[str, Any]
+
+
+_MEMO_MAX = 1024
+"""Resolved declarations (and queues) a router keeps, least recently used dropped first."""
+
+
+class MLRouter:
+    """The `task_routes` entry installed by `OJSML(app)`.
+
+    Validation, normalisation and the class hash are pure functions of the
+    declared attributes and the logical queue, so the router memoises them:
+    a producer publishing the same kind of job again pays a dict lookup, not
+    the validator. Invalid declarations raise every time (they are not kept).
+    """
+
+    def __init__(self, plugin: OJSML) -> None:
+        self.plugin = plugin
+        self._memo: LRU[tuple[str, str], _Resolved] = LRU(_MEMO_MAX)
+        self._queues: LRU[str, Queue] = LRU(_MEMO_MAX)
+
+    def __call__(
+        self,
+        name: str,
+        args: Any,
+        kwargs: Any,
+        options: dict[str, Any],
+        task: Any = None,
+        **_: Any,
+    ) -> dict[str, Any] | None:
+        attrs = declared_attrs(task, options.get("headers"))
+        if not attrs and not self.plugin.defaulted_queues:
+            return None
+        logical = self._logical_queue(task, options)
+        if not attrs and logical not in self.plugin.defaulted_queues:
+            return None  # a plain task of a queue without ml_defaults stays plain Celery
+        found = self._resolve(attrs, logical)
+        caller = {k: v for k, v in (options.get("headers") or {}).items() if not _is_ml(k)}
+        headers = {**caller, **found.headers}  # ML attributes go out in canonical form only
+        labels = {
+            **declared_labels(getattr(task, "ml_labels", None)),
+            **declared_labels(headers.get(HEADER_LABELS), HEADER_LABELS),
+        }  # a job's own labels (§7.3): the call's win over the task's
+        headers.pop(HEADER_LABELS, None)
+        if labels:
+            headers[HEADER_LABELS] = labels
+        options["headers"] = headers
+        if not found.hard and "ojs_gang" not in headers:  # a gang rank is always scheduled
+            return None
+        return self._route(found, logical, options, headers)
+
+    def _resolve(self, attrs: dict[str, Any], logical: str) -> _Resolved:
+        key = (logical, repr(sorted(attrs.items())))
+        found = self._memo.get(key)
+        if found is None:
+            req, mlx, _warnings = requirements_of(attrs, logical, self.plugin.parse_options)
+            hard = has_hard_constraints(req)
+            found = _Resolved(
+                req,
+                {**req.flat(), **mlx},
+                hard,
+                class_id(req),
+                band(req),
+                hard_constraints(req) if hard else {},
+            )
+            self._memo[key] = found
+        return found
+
+    def _route(
+        self, found: _Resolved, logical: str, options: dict[str, Any], headers: dict[str, Any]
+    ) -> dict[str, Any]:
+        cid, band_name = found.cid, found.band
+        with self.plugin.store_errors():
+            if found.req.ext_ml_reservation_id is not None:
+                self.plugin.check_reservation(found.req)  # before anything is written (§8.3)
+            self.plugin.register_class(cid, found.constraints, logical, band_name)
+            reason = self.plugin.check_satisfiable(found.req, cid, logical)
+        if reason is not None:
+            headers[HEADER_PENDING] = reason
+        headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
+        for private in SCHEDULER_HEADERS:  # a re-published copy is assigned afresh
+            headers.pop(private, None)
+        name = self._granted(found, logical, headers) or intake_name(
+            self.plugin.settings.store_prefix
+        )
+        queue = self._queues.get(name)
+        if queue is None:
+            queue = self._queues[name] = ml_queue(name)
+        options["queue"] = queue  # an explicit queue= names the logical queue, not the destination
+        return {"queue": queue}
+
+    def _granted(self, found: _Resolved, logical: str, headers: dict[str, Any]) -> str | None:
+        """The queue of the worker holding a grant for this job's class, with the grant's
+        epoch in the headers; None: the job goes to the intake (`scheduler.grants`)."""
+        if headers.get(HEADER_PENDING) or not self.plugin.grants_on(logical):
+            return None
+        if not grantable(
+            found.req,
+            gang="ojs_gang" in headers,
+            labels=HEADER_LABELS in headers,
+            gpu_affinity=str(headers.get("ext_mlx_scheduling_gpu_affinity") or "pack"),
+        ):
+            return None
+        with self.plugin.store_errors():
+            grant = self.plugin.grant_book.lookup(grant_key(logical, found.band, found.cid))
+        if grant is None:
+            return None
+        worker, epoch = grant
+        headers[HEADER_GRANT] = epoch
+        headers[HEADER_GRANT_AT] = round(time.time(), 3)
+        return worker_queue_name(self.plugin.settings.store_prefix, worker)
+
+    def _logical_queue(self, task: Any, options: Mapping[str, Any]) -> str:
+        explicit = options.get("queue") or (options.get("headers") or {}).get(HEADER_LOGICAL)
+        if isinstance(explicit, Queue):
+            return str(explicit.name)
+        if isinstance(explicit, str) and explicit:
+            return explicit
+        own = getattr(task, "queue", None)
+        return str(own or self.plugin.app.conf.task_default_queue)

@@ -1,0 +1,388 @@
+"""Redis state shared by producers and workers: classes, live workers, pending and held jobs.
+
+Responsibility: the one place that knows the key layout and how each record is
+written atomically. It speaks redis-py only (no Celery), so the same code runs
+against a real server, a Redis Cluster and fakeredis in the embedded demo.
+
+Key decisions:
+- Every key lives under `<prefix>:{ml}:`. The `{ml}` hash tag puts all keys in
+  one Redis Cluster slot, so the multi-key transactions below (an entry and its
+  index, a class and the registry version) are legal on a cluster.
+- Multi-key updates use WATCH/MULTI transactions, not Lua: fakeredis evaluates
+  Lua only when `lupa` is installed, and the embedded demo must not need it.
+- Liveness is the server's business: each worker, pending and held record is its
+  own key with a PX TTL, so a record vanishes when its owner stops refreshing it.
+  A sorted set per kind indexes the names by expiry only so that listing needs
+  no SCAN; it is pruned by the (injectable) client clock with a generous grace,
+  so clock skew between hosts can delay garbage collection but never hide a
+  live record.
+
+Layout (prefix `ojs`):
+    ojs:{ml}:class:constraints        hash   class id -> canonical constraints JSON
+    ojs:{ml}:class:queues:<class id>  set    logical queues that route to the class
+    ojs:{ml}:class:version            int    bumped on every new (class, queue) pair
+    ojs:{ml}:classes                  pubsub channel announcing those pairs
+    ojs:{ml}:<kind>:<name>            string JSON record with PX TTL (kind: worker, pending, held)
+    ojs:{ml}:index:<kind>             zset   name -> expiry (ms since the epoch)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+Clock = Callable[[], float]
+log = logging.getLogger(__name__)
+
+_INDEX_GRACE_MS = 60_000
+NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
+"""What calling a Lua script raises on a store that runs none (fakeredis without lupa)."""
+_INDEXED = """
+if ARGV[1] ~= '' then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1]) end
+local out = {}
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local value = redis.call('GET', ARGV[2] .. name)
+  if value then
+    out[#out + 1] = name
+    out[#out + 1] = value
+  end
+end
+return out
+"""
+"""`OJSStore.indexed`: an index's members and their values in one round trip."""
+_WATCH_RETRIES = 32
+_CONNECT_TIMEOUT_S = 5.0
+_SOCKET_TIMEOUT_S = 10.0
+"""A store that stops answering fails the call instead of hanging a producer or a timer."""
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def pairs(flat: list[Any]) -> list[tuple[str, bytes]]:
+    """The `indexed` script's flat reply as `(member, value)` pairs."""
+    return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0 seconds, e.g. ttl_s=10.0, but got {ttl_s!r}")
+    return max(1, round(ttl_s * 1000))
+
+
+class OJSStore:
+    """Typed access to the celery-ojs-ml records in one Redis database."""
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str = "ojs", clock: Clock = time.time
+    ) -> None:
+        self._r = client
+        self._base = f"{prefix}:{{ml}}"
+        self._clock = clock
+        self._indexed: Any = client.register_script(_INDEXED)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "ojs", clock: Clock = time.time) -> OJSStore:
+        """A store on a new client for `url`, e.g. `redis://127.0.0.1:6379/0`."""
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=_CONNECT_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
+        )
+        return cls(client, prefix=prefix, clock=clock)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The underlying redis-py client."""
+        return self._r
+
+    @property
+    def classes_channel(self) -> str:
+        """The pub/sub channel on which new (class, logical queue) pairs are announced."""
+        return f"{self._base}:classes"
+
+    def key(self, *parts: str) -> str:
+        """The full key for `parts`, under the prefix and the `{ml}` hash tag."""
+        return ":".join((self._base, *parts))
+
+    def lease_key(self, task_id: str) -> str:
+        """The key of a running job's lease (store.leases, checked by checkpoint commits)."""
+        return self.key("lease", task_id)
+
+    def close(self) -> None:
+        """Release the client's connections."""
+        self._r.close()
+
+    def ping(self) -> bool:
+        """Whether the server answers; never raises."""
+        try:
+            return bool(self._r.ping())
+        except redis.RedisError:
+            return False
+
+    # -- requirement-class registry ------------------------------------------------
+
+    def register_class(
+        self,
+        class_id: str,
+        constraints: dict[str, Any],
+        *,
+        logical_queue: str,
+        band: str | None = None,
+    ) -> bool:
+        """Record that `logical_queue` routes jobs of `class_id` in `band`; True when new.
+
+        A new (logical queue, band) pair bumps the registry version and is
+        published on `classes_channel` in the same transaction, so workers
+        polling the version and workers subscribed to the channel never
+        disagree. Workers consume only the bands registered for a class (a
+        class registered without a band, by an older producer, in every band).
+        The constraints of a known class id are kept as first written: the id
+        is a hash of them.
+        """
+        keys = (self.key("class", "queues", class_id), self.key("class", "routes", class_id))
+        version = self.key("class", "version")
+        with self._r.pipeline(transaction=True) as pipe:
+            for _ in range(_WATCH_RETRIES):
+                try:
+                    return self._register_once(
+                        pipe, keys, version, class_id, constraints, logical_queue, band
+                    )
+                except redis.WatchError:
+                    continue
+        raise redis.WatchError(f"register_class({class_id!r}) lost {_WATCH_RETRIES} races in a row")
+
+    def _register_once(
+        self,
+        pipe: redis.client.Pipeline,
+        keys: tuple[str, str],
+        version: str,
+        class_id: str,
+        constraints: dict[str, Any],
+        logical_queue: str,
+        band: str | None,
+    ) -> bool:
+        queues, routes = keys
+        route = _dumps([logical_queue, band]) if band is not None else None
+        # redis-py leaves Pipeline.watch unannotated; it returns the server's OK.
+        pipe.watch(queues, routes, version)  # type: ignore[no-untyped-call]
+        known = pipe.sismember(queues, logical_queue)
+        if known and (route is None or pipe.sismember(routes, route)):
+            pipe.unwatch()
+            return False
+        next_version = int(pipe.get(version) or 0) + 1
+        message = {
+            "class_id": class_id,
+            "logical_queue": logical_queue,
+            "band": band,
+            "version": next_version,
+        }
+        pipe.multi()
+        pipe.hsetnx(self.key("class", "constraints"), class_id, _dumps(constraints))
+        pipe.sadd(queues, logical_queue)
+        if route is not None:
+            pipe.sadd(routes, route)
+        pipe.incr(version)
+        pipe.publish(self.classes_channel, _dumps(message))
+        pipe.execute()
+        return True
+
+    def classes(self) -> dict[str, dict[str, Any]]:
+        """Every class: `{class_id: {"constraints", "queues", "routes"}}`.
+
+        `queues` are its sorted logical queues; `routes` the sorted
+        `[logical queue, band]` pairs jobs were published with.
+        """
+        raw: dict[Any, Any] = self._r.hgetall(self.key("class", "constraints"))
+        ids = sorted(_text(k) for k in raw)
+        with self._r.pipeline(transaction=False) as pipe:
+            for cid in ids:
+                pipe.smembers(self.key("class", "queues", cid))
+                pipe.smembers(self.key("class", "routes", cid))
+            members = pipe.execute()
+        by_id = {_text(k): v for k, v in raw.items()}
+        found: dict[str, dict[str, Any]] = {}
+        for cid, qs, rs in zip(ids, members[::2], members[1::2], strict=True):
+            try:
+                found[cid] = {
+                    "constraints": json.loads(by_id[cid]),
+                    "queues": sorted(_text(q) for q in qs),
+                    "routes": sorted(json.loads(_text(r)) for r in rs),
+                }
+            except (ValueError, TypeError) as exc:  # one corrupt entry must not hide the rest
+                log.error("ojs-ml: skipping corrupt class registry entry %s: %s", cid, exc)
+        return found
+
+    def classes_version(self) -> int:
+        """The registry version; a cheap value for workers to poll."""
+        return int(self._r.get(self.key("class", "version")) or 0)
+
+    # -- live workers ------------------------------------------------------------
+
+    def advertise(
+        self,
+        worker: str,
+        capabilities: dict[str, Any],
+        free: dict[str, Any],
+        *,
+        ttl_s: float = 10.0,
+        info: dict[str, Any] | None = None,
+        held: list[dict[str, Any]] | None = None,
+        push: tuple[str, bytes] | None = None,
+    ) -> None:
+        """Publish a worker's heartbeat; it stays live for `ttl_s` seconds unless refreshed.
+
+        With `held`, the worker's held-jobs snapshot (`set_held`) goes in the same write;
+        with `push` (list key, value), an LPUSH too (a wake-up of the scheduler).
+        """
+        commands = self.advertise_commands(
+            worker, capabilities, free, ttl_s=ttl_s, info=info, held=held, push=push
+        )
+        with self._r.pipeline(transaction=True) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            pipe.execute()
+
+    def advertise_commands(
+        self,
+        worker: str,
+        capabilities: dict[str, Any],
+        free: dict[str, Any],
+        *,
+        ttl_s: float = 10.0,
+        info: dict[str, Any] | None = None,
+        held: list[dict[str, Any]] | None = None,
+        push: tuple[str, bytes] | None = None,
+    ) -> list[tuple[str | bytes | int, ...]]:
+        """`advertise`'s writes as Redis commands, for a caller that sends them itself
+        (the worker's wake-up, on its lease connection, without waiting for the reply);
+        applied in order on one connection, the push comes after the heartbeat."""
+        payload = {
+            "capabilities": capabilities,
+            "free": free,
+            "info": info or {},
+            "ts": self._clock(),
+        }
+        ttl_ms = _ttl_ms(ttl_s)
+        expires_ms = round(self._clock() * 1000) + ttl_ms
+        items: list[tuple[str, Any]] = [("worker", payload)]
+        if held is not None:
+            items.append(("held", held))
+        commands: list[tuple[str | bytes | int, ...]] = []
+        for kind, value in items:
+            commands.append(("SET", self.key(kind, worker), _dumps(value), "PX", ttl_ms))
+            commands.append(("ZADD", self.key("index", kind), expires_ms, worker))
+        if push is not None:
+            commands.append(("LPUSH", push[0], push[1]))
+        return commands
+
+    def live_workers(self) -> dict[str, dict[str, Any]]:
+        """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""
+        return self._live("worker")
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop a worker at once, e.g. on a clean shutdown."""
+        self._drop("worker", worker)
+
+    # -- pending records ---------------------------------------------------------
+
+    def set_pending(self, task_id: str, record: dict[str, Any], *, ttl_s: float = 86400) -> None:
+        """Record why a job waits: `reason`, `class_id`, `queue`, `since` (default: now)."""
+        self._put("pending", task_id, {"since": self._clock(), **record}, ttl_s)
+
+    def clear_pending(self, task_id: str) -> None:
+        """Forget a job's pending record, e.g. once a worker starts it."""
+        self._drop("pending", task_id)
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        """`{task_id: record}` for every unexpired pending record."""
+        return self._live("pending")
+
+    # -- worker-local held jobs --------------------------------------------------
+
+    def set_held(self, worker: str, held: list[dict[str, Any]], *, ttl_s: float = 10.0) -> None:
+        """Snapshot the jobs `worker` holds in its gate; replaces the previous snapshot."""
+        self._put("held", worker, held, ttl_s)
+
+    def held(self) -> dict[str, list[dict[str, Any]]]:
+        """`{worker: [held job, ...]}` for every unexpired snapshot."""
+        return self._live("held")
+
+    # -- expiring records: one key with a PX TTL plus an index by expiry ----------
+
+    def _put(self, kind: str, name: str, payload: Any, ttl_s: float) -> None:
+        self._put_many([(kind, name, payload)], ttl_s)
+
+    def _put_many(
+        self,
+        items: list[tuple[str, str, Any]],
+        ttl_s: float,
+        push: tuple[str, bytes] | None = None,
+    ) -> None:
+        ttl_ms = _ttl_ms(ttl_s)
+        expires_ms = round(self._clock() * 1000) + ttl_ms
+        with self._r.pipeline(transaction=True) as pipe:
+            for kind, name, payload in items:
+                pipe.set(self.key(kind, name), _dumps(payload), px=ttl_ms)
+                pipe.zadd(self.key("index", kind), {name: expires_ms})
+            if push is not None:
+                pipe.lpush(push[0], push[1])
+            pipe.execute()
+
+    def _drop(self, kind: str, name: str) -> None:
+        with self._r.pipeline(transaction=True) as pipe:
+            pipe.delete(self.key(kind, name))
+            pipe.zrem(self.key("index", kind), name)
+            pipe.execute()
+
+    def live_read(self, kind: str) -> tuple[str, str, int]:
+        """`(index, key prefix, cutoff in ms)` of the `indexed` read behind `_live(kind)`."""
+        cutoff = round(self._clock() * 1000) - _INDEX_GRACE_MS
+        return self.key("index", kind), self.key(kind, ""), cutoff
+
+    @property
+    def indexed_sha(self) -> str | None:
+        """The SHA1 of the `indexed` script (for a caller's pipeline); None: no Lua."""
+        return None if self._indexed is None else str(self._indexed.sha)
+
+    def _live(self, kind: str) -> dict[str, Any]:
+        index, prefix, cutoff = self.live_read(kind)
+        found = self.indexed(index, prefix, cutoff)
+        if found is not None:
+            return {name: json.loads(value) for name, value in found}
+        with self._r.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(index, "-inf", cutoff)
+            pipe.zrange(index, 0, -1)
+            raw: list[Any] = pipe.execute()[1]
+        names = [_text(n) for n in raw]
+        if not names:
+            return {}
+        values: list[Any] = self._r.mget([self.key(kind, n) for n in names])
+        return {n: json.loads(v) for n, v in zip(names, values, strict=True) if v is not None}
+
+    def indexed(
+        self, index: str, prefix: str, cutoff_ms: int | None = None
+    ) -> list[tuple[str, bytes]] | None:
+        """`(member, value of prefix + member)` for each member of the sorted set `index`
+        whose key exists, in index order, after dropping members scored below
+        `cutoff_ms`: one round trip (the leader reads workers and leases every pass).
+        None where the store runs no Lua (then read the index, then the keys)."""
+        if self._indexed is None:
+            return None
+        try:
+            flat: list[Any] = self._indexed(keys=[index], args=[cutoff_ms or "", prefix])
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except NO_SCRIPTING as exc:
+            log.info("ojs-ml: no Lua scripting on the store (%s); reads use two round trips", exc)
+            self._indexed = None
+            return None
+        return pairs(flat)

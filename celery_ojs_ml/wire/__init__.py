@@ -1,0 +1,1 @@
+"""Names and message formats every side agrees on: headers, queues, settings, inbound checks."""

@@ -1,0 +1,1 @@
+"""The worker's main process: bootsteps, the dispatch gate, leases, preemption, control."""

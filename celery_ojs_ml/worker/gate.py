@@ -1,0 +1,422 @@
+"""The worker's dispatch gate: allocate, pin, dispatch, release, hold (RFC 27 per worker).
+
+A mixin of `worker.MLWorker`, split out of it to keep modules small; every
+attribute below is set by `MLWorker.__init__`/`start`, and the methods it calls
+on the rest of the worker are declared as callables here.
+
+Key decisions (see `worker`'s module doc):
+* The gate wraps `consumer.on_task_request`; it allocates devices in the main
+  process and hands them to the child in `request_dict`.
+* A job that does not fit now is held (or given back to the scheduler with a
+  reason); one that can never run here is refused with the reason.
+* Devices are freed from instance-level `on_success`/`on_failure`/`on_timeout`
+  wrappers keyed by the Request object, then held jobs are pumped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+from celery import Celery
+from celery.worker import state as worker_state
+
+from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.child import pinning as child
+from celery_ojs_ml.child.sharing import HEADER_SHARE, share_info
+from celery_ojs_ml.leader.delivery import HEADER_PREFETCH
+from celery_ojs_ml.producer.routing import HEADER_PENDING
+from celery_ojs_ml.spec.classes import BANDS
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store.deadletter import dead_letter
+from celery_ojs_ml.store.leases import republish_headers
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.inbound import Admission, BadMessage
+from celery_ojs_ml.wire.labels import job_labels
+from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker import assigned, granted, warm_pool
+from celery_ojs_ml.worker.gangs import HEADER_RENDEZVOUS
+from celery_ojs_ml.worker.lease_keeping import LeaseKeeping
+from celery_ojs_ml.worker.preemption import Preemptions
+
+if TYPE_CHECKING:
+    from celery_ojs_ml.worker.core import MLWorker
+
+log = logging.getLogger("celery_ojs_ml.worker.core")
+
+
+class Gate(LeaseKeeping, granted.Granted):
+    """The gate of one consumer (see module doc)."""
+
+    app: Celery
+    c: Any
+    caps: Capabilities
+    settings: OJSMLSettings
+    store: OJSStore
+    allocator: Allocator
+    admission: Admission
+    preemptions: Preemptions
+    hostname: str
+    prefork: bool
+    lock: threading.RLock
+    hold_until: dict[Any, float]
+    devices_by_id: dict[str, tuple[int, ...]]
+    router: Any
+    _requests: dict[str, Any]
+    _pump_due: bool
+    _orig_handler: Callable[[Any], Any]
+    resubscribe: Callable[[], None]
+    hold_reservations: Callable[[], None]
+    wake_scheduler: Callable[[], None]
+    _holds_model: Callable[[MLRequirements], Any]
+
+    @property
+    def worker(self) -> MLWorker:
+        """This gate as the whole worker (the one class that mixes it in)."""
+        return cast("MLWorker", self)
+
+    def on_task_request(self, req: Any) -> Any:
+        headers = req.request_dict
+        try:
+            ml = self.admission.requirements(headers)
+        except BadMessage as exc:
+            return self.refuse(req, str(exc))
+        if ml is None:
+            return self._orig_handler(req)
+        try:
+            return self._gate(req, ml)
+        except Exception as exc:  # never out of on_task_received: it would stop the consumer
+            log.exception("ojs-ml: the gate failed on %s", req.id)
+            with self.lock:
+                self.allocator.free(req)
+            return self.refuse(req, f"the worker's gate failed: {exc!r}")
+
+    def _gate(self, req: Any, ml: MLRequirements) -> Any:
+        headers = req.request_dict
+        epoch = granted.epoch_of(req)
+        if epoch is not None:
+            return self._gate_granted(req, ml, epoch)
+        token = assigned.token_of(req)
+        if self.mine and token is not None:
+            self.recheck_grants()  # assignments flow again: were the grants revoked?
+        rid = ml.ext_ml_reservation_id
+        if rid is not None and rid not in self.allocator.pools:
+            self.hold_reservations()  # placed since the last refresh?
+        with self.lock:
+            ml = self.preemptions.cap(ml, headers)
+            outcome = self._try_alloc(req, ml)
+            if token is not None and not isinstance(outcome, Allocation):
+                return self._not_fitting(req, outcome)
+            if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:
+                grace = self.preemptions.make_room(ml, outcome.band)
+                if grace is not None:  # hold it until the victims have yielded or been killed
+                    self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
+            return self._handle(req, outcome)
+
+    def _gate_granted(self, req: Any, ml: MLRequirements, epoch: str) -> Any:
+        """A job published under a grant (`worker.granted`): run it while the grant
+        is this worker's, else give it back to the intake."""
+        if not self.grant_current(epoch):
+            self.give_back_granted(req, "its class's grant ended")
+            return None
+        with self.lock:
+            outcome = self._try_alloc(req, ml)
+            if isinstance(outcome, Allocation):
+                self.granted_started = time.monotonic()
+                return self._dispatch(req, outcome)
+            first = isinstance(outcome, Pending) and self.hold_granted(req, outcome)
+        if isinstance(outcome, Denied):
+            self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
+        elif first:  # the leader sees the backlog (room elsewhere ends the grant)
+            self.worker.wake_scheduler()
+        return None
+
+    def _try_alloc(self, req: Any, ml: MLRequirements) -> Allocation | Pending | Denied:
+        """The allocator's answer for a request (under `self.lock`)."""
+        headers = req.request_dict
+        return self.allocator.try_alloc(
+            req,
+            req.id,
+            ml,
+            priority=band_priority(headers),
+            labels=job_labels(req.name, headers),
+            prefer=self._warm_sets(ml),
+        )
+
+    def _warm_sets(self, ml: MLRequirements) -> list[tuple[int, ...]]:
+        """Device sets idle warm children are bound to (`warm_pool`), model holders first."""
+        return self.router.idle_bound(self._holds_model(ml)) if self.router else []
+
+    def register_with_event_loop(self, c: Any, hub: Any) -> None:
+        """After the pool wrote its handlers into the hub, before the loop starts (and again
+        on every consumer restart): wrap the pool's write scheduler (`warm_pool`)."""
+        if child.RECYCLE["mode"] == "warm" and self.prefork:
+            self.router = warm_pool.Router.install(c, self.devices_by_id.get, self._move)
+
+    def _move(
+        self, task_id: str, devices: tuple[int, ...], written: Callable[[str], bool]
+    ) -> dict[str, tuple[int, ...]]:
+        """The router moves a dispatched job onto an idle warm child's devices: free ones,
+        or those of a job no child has taken yet (`written` says which), which gets the
+        first job's devices in exchange. The jobs whose devices changed; {} if none."""
+        with self.lock:
+            req = self._requests.get(task_id)
+            if req is None:
+                return {}
+            if self.allocator.move(req, devices) is not None:
+                moved = {task_id: devices}
+            else:
+                other = next(
+                    (t for t, d in self.devices_by_id.items()
+                     if d == devices and t != task_id and not written(t)),
+                    None,
+                )  # fmt: skip
+                peer = None if other is None else self._requests.get(other)
+                if other is None or peer is None or self.allocator.swap(req, peer) is None:
+                    return {}
+                moved = {task_id: devices, other: self.devices_by_id[task_id]}
+            for moved_id, moved_to in moved.items():
+                self.devices_by_id[moved_id] = moved_to
+                self._requests[moved_id].request_dict["ojs_devices"] = list(moved_to)
+        return moved
+
+    def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
+        """A scheduled job that does not fit: preempt the planned victims, else give it back."""
+        if isinstance(outcome, Pending) and req.request_dict.get(HEADER_PREFETCH):
+            # delivered ahead of capacity: wait here, start as soon as a job ends
+            self.hold_until[req] = time.monotonic() + self.settings.assignment_timeout_s - 1
+            return self._handle(req, outcome)
+        victims = assigned.victims_of(req)
+        grace = assigned.preempt_planned(self.worker, req, victims) if victims else None
+        if isinstance(outcome, Pending) and grace is not None:
+            self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
+            assigned.hold_for_victims(self.worker, req, grace)
+            return self._handle(req, outcome)
+        assigned.give_back(self.worker, req, outcome.reason)
+        return None
+
+    def refuse(self, req: Any, reason: str) -> None:
+        """End a message the gate cannot run: dead-letter it with the reason, fail it, drop it.
+
+        The job is kept (`celery ojs-ml dead` lists it, `dead --retry` re-publishes
+        it), its caller sees a failure instead of waiting forever, and the
+        worker carries on with the next message.
+        """
+        log.error("ojs-ml: refusing %s[%s]: %s", req.name, req.id, reason)
+        headers = republish_headers(req.request_dict)
+        if len(repr(headers)) > 2 * self.settings.max_header_bytes:
+            headers = {}  # an oversized header is not copied into the store
+        record = {
+            "task_id": req.id,
+            "name": req.name,
+            "args": list(req.args),
+            "kwargs": dict(req.kwargs),
+            "headers": headers,
+            "retries": 0,
+        }
+        for step in (
+            lambda: dead_letter(self.store, record, f"refused by {self.hostname}: {reason}"),
+            lambda: refused_result(req, reason),
+        ):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("ojs-ml: while refusing %s: %s", req.id, exc)
+        worker_state.task_ready(req)
+        req.reject(requeue=False)
+
+    def _handle(self, req: Any, outcome: Allocation | Pending | Denied) -> Any:
+        if isinstance(outcome, Allocation):
+            return self._dispatch(req, outcome)
+        if isinstance(outcome, Pending):
+            log.info("ojs-ml: holding %s: %s", req.id, outcome.reason)
+            self.allocator.hold(outcome)
+            self.c.qos.increment_eventually()
+            self.resubscribe()
+            return None
+        log.warning(
+            "ojs-ml: %s cannot run %s here (%s); requeueing", self.hostname, req.id, outcome.reason
+        )
+        self._requeue(req)
+        return None
+
+    def _dispatch(self, req: Any, alloc: Allocation) -> Any:
+        if not assigned.may_start(self.worker, req, alloc):
+            # A stale copy was dropped and its allocation freed: the jobs held behind it
+            # may fit now, and no release will pump them (none may be running here).
+            self._pump_soon()
+            return None
+        headers = req.request_dict
+        if headers.get(HEADER_PREFETCH):
+            self.wake_scheduler()  # a job held ahead started: the leader may send the next one
+        log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
+        headers["ojs_devices"] = list(alloc.devices)
+        if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
+            headers[HEADER_SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
+        self.devices_by_id[req.id] = tuple(alloc.devices)
+        self._requests[req.id] = req
+        headers["ojs_node"] = self.hostname
+        headers["ojs_pin"] = self.prefork
+        if HEADER_RENDEZVOUS in headers:  # a gang rank's failure re-places its gang:
+            headers["ignore_result"] = True  # no FAILURE stored (see worker.gangs)
+        req.on_failure = self._failing(req, req.on_failure)
+        for name in ("on_success", "on_failure"):
+            setattr(req, name, self._releasing(req, getattr(req, name)))
+        req.on_timeout = self._timeout_releasing(req, req.on_timeout)
+        if headers.get(HEADER_PENDING):
+            self._clear_pending(req.id)
+        self._take_lease(req, alloc)
+        self.resubscribe()
+        return self._orig_handler(req)
+
+    def _clear_pending(self, task_id: str) -> None:
+        try:
+            self.store.clear_pending(task_id)
+        except Exception as exc:
+            log.warning("ojs-ml: could not clear the pending record of %s: %s", task_id, exc)
+
+    def _releasing(self, req: Any, original: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.release(req)
+
+        return wrapped
+
+    def _timeout_releasing(self, req: Any, original: Any) -> Any:
+        def wrapped(soft: bool, timeout: float) -> Any:
+            try:
+                return original(soft, timeout)
+            finally:
+                if not soft:
+                    self.release(req)
+
+        return wrapped
+
+    def release(self, req: Any) -> None:
+        """Free a finished job's allocation, then start held jobs that now fit."""
+        self.preemptions.finished(req)
+        self.devices_by_id.pop(req.id, None)
+        if self.router is not None:
+            self.router.finished(req.id)
+        self._requests.pop(req.id, None)
+        _unwrap(req)
+        with self.lock:
+            self.fenced.discard(req)
+            self.stopping.discard(req)
+            if self.allocator.free(req) is None:
+                return
+            token = self.tokens.pop(req, None)
+        if token is not None:
+            self.writer.release(req.id, token)
+        if self.unacked.pop(req, False):
+            self._ack(req)  # its lease could not be written: the message held it
+        log.debug("ojs-ml: released %s", req.id)
+        self._pump_soon()
+        # After the pump: a held job starts without waiting for the wake-up's round trips,
+        # and the advertisement then already counts it.
+        with self.lock:
+            quiet = self.quiet_release(req)
+        if not quiet:
+            self.wake_scheduler()
+
+    def _pump_soon(self) -> None:
+        """`pump` on the event loop's next turn (one pump serves every release of a
+        turn), or now where there is no loop (a thread other than the loop's)."""
+        hub = getattr(self.c, "hub", None)
+        if hub is not None and threading.current_thread() is threading.main_thread():
+            if not self._pump_due:
+                self._pump_due = True
+                hub.call_soon(self.pump)
+        else:
+            self.pump()
+
+    def pump(self) -> None:
+        """Start held jobs that fit now, in band, priority and FIFO order (granted ones
+        only while their grant holds: `recheck_grants`)."""
+        if self.granted_held:
+            self.recheck_grants()
+        with self.lock:
+            self._pump_due = False
+            for alloc in self.allocator.pump():
+                req: Any = alloc.key
+                self.hold_until.pop(req, None)
+                if req in self.granted_held:
+                    self.granted_started = time.monotonic()
+                self._leave_hold(req)
+                if req.revoked():
+                    self.allocator.free(req)
+                    continue
+                self._dispatch(req, alloc)
+            self.resubscribe()
+
+    def _leave_hold(self, req: Any) -> None:
+        if req in self.granted_held:  # held inside the prefetch limit (`hold_granted`)
+            self.granted_held.discard(req)
+            return
+        self.c.qos.decrement_eventually()
+
+    def _requeue(self, req: Any) -> None:
+        worker_state.task_ready(req)
+        req.reject(requeue=True)
+
+    def expire_holds(self) -> None:
+        """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts);
+        give back granted ones held longer than `ojs_ml_grant_wait_s` (`expire_granted`)."""
+        self.expire_granted()
+        with self.lock:
+            now = time.monotonic()
+            for pending in self.allocator.expired(self.settings.max_hold_s):
+                req: Any = pending.key
+                if self.hold_until.get(req, 0.0) > now:
+                    self.allocator.hold(pending)  # still waiting for its victims to yield
+                    continue
+                self.hold_until.pop(req, None)
+                if req in self.granted_held:
+                    self._leave_hold(req)
+                    self.give_back_granted(req, f"held too long: {pending.reason}")
+                    continue
+                self._leave_hold(req)
+                if assigned.token_of(req) is not None:
+                    assigned.give_back(self.worker, req, f"held too long: {pending.reason}")
+                    continue
+                log.info("ojs-ml: %s held too long (%s); requeueing", req.id, pending.reason)
+                self._requeue(req)
+            if not self.allocator.held():
+                self.resubscribe()
+
+
+_WRAPPED = ("on_success", "on_failure", "on_timeout")
+"""The request's callbacks `_dispatch` wraps: closures that hold the request."""
+
+
+def _unwrap(req: Any) -> None:
+    """Drop a finished request's wrapped callbacks. Each closure holds the request that
+    holds it: a reference cycle that kept the request, its message and its promises
+    alive until the cyclic collector ran (a gen-0 collection every few jobs in a
+    burst). The pool already holds the callbacks it will call."""
+    found = getattr(req, "__dict__", None)
+    if found is not None:
+        for name in _WRAPPED:
+            found.pop(name, None)
+
+
+def refused_result(req: Any, reason: str) -> None:
+    """Record a refused job as failed (result backend, `task-failed` event) with the reason."""
+    exc = BadMessage(reason)
+    req.task.backend.mark_as_failure(req.id, exc, request=None)
+    req.send_event("task-failed", exception=repr(exc), traceback="")
+
+
+def band_priority(headers: dict[str, Any]) -> int:
+    """The message priority inside its band (higher first): a `priority` header, else the
+    Celery priority, which a request keeps in `delivery_info` (celery.worker.request)."""
+    value = headers.get("priority")
+    if not isinstance(value, int):
+        value = (headers.get("delivery_info") or {}).get("priority")
+    return int(value) if isinstance(value, int) else 0

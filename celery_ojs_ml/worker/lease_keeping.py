@@ -1,0 +1,358 @@
+"""The worker's lease keeping (DESIGN decision 4): write, ack, refresh, fence, recover.
+
+A mixin of `worker.MLWorker`, split out of it to keep modules small. It holds no
+state of its own: every attribute below is set by `MLWorker.__init__`/`start`.
+
+Key decisions:
+* The lease is written before the message is acked; if it cannot be written
+  the message stays unacked until the job ends, so the broker still holds it.
+* A worker whose lease was taken over (it stalled past the TTL) kills its
+  own copy at once (fencing); the copy that took over is the one that counts.
+* A claimed lease of a dead worker is re-published with the same task id and
+  its last committed checkpoint, or dead-lettered after `ojs_ml_max_crashes`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from billiard.exceptions import Terminated
+from celery import Celery
+from celery.exceptions import Ignore, Reject, Retry
+from celery.worker import state as worker_state
+
+from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.store.deadletter import dead_letter, last_checkpoint_of
+from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter, republish_headers
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker.gangs import (
+    HEADER_RENDEZVOUS,
+    STOPPED,
+    GangFailed,
+    gang_crash,
+    give_up_rank,
+    requeue_rank,
+    stop_peers,
+)
+from celery_ojs_ml.worker.preemption import UNSTARTED_S, Preemptions
+from celery_ojs_ml.worker.setup import hard_time_limit
+
+log = logging.getLogger("celery_ojs_ml.worker.core")
+_ACCEPT_WAIT_S = 30.0
+"""How long a fenced copy without a known process is waited for before giving up."""
+
+
+_STALLED = "this one stalled longer than ojs_ml_lease_ttl_s"
+"""Why a copy is fenced when a claimer took its job over."""
+
+
+class LeaseKeeping:
+    """Leases of the jobs this worker runs (see module doc)."""
+
+    app: Celery
+    c: Any
+    settings: OJSMLSettings
+    store: OJSStore
+    allocator: Allocator
+    leases: LeaseBook
+    writer: LeaseWriter
+    preemptions: Preemptions
+    hostname: str
+    incarnation: str
+    prefork: bool
+    lock: threading.RLock
+    tokens: dict[Any, str]
+    fenced: set[Any]
+    stopping: set[Any]
+    unacked: dict[Any, bool]
+
+    def _job_record(self, req: Any, alloc: Allocation, started_at: float) -> dict[str, Any]:
+        headers = req.request_dict
+        return {
+            "task_id": req.id,
+            "name": req.name,
+            "args": list(req.args),
+            "kwargs": dict(req.kwargs),
+            "headers": republish_headers(headers),
+            "retries": int(headers.get("retries") or 0),
+            "worker": self.hostname,
+            "incarnation": self.incarnation,
+            "devices": list(alloc.devices),
+            "started_at": started_at,
+            "time_limit_s": hard_time_limit(headers.get("timelimit"), req.task, self.app.conf),
+            **({"gpu_milli": alloc.gpu_milli} if alloc.gpu_milli else {}),
+        }
+
+    def _take_lease(self, req: Any, alloc: Allocation) -> None:
+        """Write the job's lease, then ack its message: from now on the lease holds the job.
+
+        The write may be batched (`LeaseWriter`), so Celery's own ack (at accept)
+        is suppressed here and `_lease_written` acks once the lease exists. If
+        the lease cannot be written (store down, arguments not JSON), the
+        message stays unacked until the job ends, so the broker still holds
+        the job. The record is built only when the batch goes out: a job that
+        ends before then needs no lease.
+        """
+        started_at = self.store._clock()
+        req.acknowledged = True  # Celery must not ack before the lease is written
+        token = self.tokens[req] = self.writer.take(
+            req.id,
+            lambda: self._job_record(req, alloc, started_at),
+            lambda ok: self._lease_written(req, ok),
+        )
+        req.request_dict["ojs_lease"] = token  # the child's checkpoint commits check it
+
+    def _lease_written(self, req: Any, ok: bool) -> None:
+        """The lease of `req` exists (or it ended first): ack; else the message holds it."""
+        if ok:
+            self._ack(req)
+            return
+        log.warning("ojs-ml: no lease for %s; its broker message holds it until it ends", req.id)
+        self.unacked[req] = True
+
+    def _ack(self, req: Any) -> None:
+        """Ack a gate-managed request's message once, past the suppression above."""
+        if getattr(req, "_ojs_acked", False):
+            return
+        req._ojs_acked = True
+        req.acknowledged = False
+        req.acknowledge()
+
+    def tend_leases(self) -> None:
+        """Heartbeat our leases; claim and re-publish jobs whose worker died."""
+        try:
+            with self.lock:
+                self.writer.flush(wait=True)  # queued takes first, or they would look lost
+                mine, older = self._held_leases()
+            if older:  # a newer copy of the same job started here: it was re-published
+                self._fence_requests(older, "a newer copy of it started on this worker")
+            taken, missing = self.leases.refresh(mine)
+            if missing:
+                self._lease_missing(set(missing))
+            if taken:
+                self.fence(set(taken))
+            for task_id in self.leases.expired():
+                lease = self.leases.claim(task_id, self.hostname, self.incarnation)
+                if lease is not None:
+                    self.recover(lease, f"its worker {lease.get('worker')} stopped heartbeating")
+        except Exception as exc:
+            log.warning("ojs-ml: lease upkeep failed: %s", exc)
+
+    def _held_leases(self) -> tuple[dict[str, str], list[Any]]:
+        """The lease token of each job running here (the newest copy's, under `lock`), and
+        the older copies of a job that started here again: a job is re-published only once
+        taken from its copy (a claim, a preemption, a failed gang), so they are stale."""
+        mine: dict[str, str] = {}
+        newest: dict[str, Any] = {}
+        older: list[Any] = []
+        for req, token in self.tokens.items():
+            if req in self.unacked:
+                continue
+            if req.id in newest:
+                older.append(newest[req.id])
+            newest[req.id], mine[req.id] = req, token
+        return mine, older
+
+    def fence(self, task_ids: set[str]) -> None:
+        """Stop our copies of jobs whose lease another worker took over (invariant 5).
+
+        A claimer only takes a lease that expired, so this worker stalled for
+        longer than `ojs_ml_lease_ttl_s` (a frozen process, a partition from
+        the store) and the job was re-published elsewhere. Our copy's child is
+        killed at once; the failure path then ends it quietly (no result, no
+        event, no re-publish, see `_failing`) and frees its devices. The copy
+        that took over is the one that counts.
+        """
+        with self.lock:
+            found = [req for req in self.tokens if req.id in task_ids]
+        self._fence_requests(found, _STALLED)
+
+    def _fence_requests(self, reqs: list[Any], why: str) -> None:
+        """Stop these copies (`fence`): their job runs, or is to run, elsewhere."""
+        with self.lock:
+            for req in reqs:
+                if req in self.fenced:
+                    continue
+                self.fenced.add(req)
+                self.tokens.pop(req, None)  # no longer ours to refresh or release
+                pid = getattr(req, "worker_pid", None)
+                log.warning(
+                    "ojs-ml: the lease of %s[%s] was taken over by another worker (%s); "
+                    "stopping this copy (pid %s)",
+                    req.name,
+                    req.id,
+                    why,
+                    pid,
+                )
+                self.stop_child(req)
+
+    def stop_child(self, req: Any) -> None:
+        """Kill the pool child running `req`, a request in `fenced` or `stopping` (a gang
+        rank whose peer failed): now, or once the child reports it started."""
+        pid = getattr(req, "worker_pid", None)
+        if pid is None and self.prefork:
+            self._kill_once_accepted(req, time.monotonic() + _ACCEPT_WAIT_S)
+        elif not self.kill_child(pid):
+            log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
+
+    def _kill_once_accepted(self, req: Any, until: float) -> None:
+        """Kill a copy being stopped whose child has not reported it started yet (no pid:
+        for a fenced copy, the worker stalled between writing the lease and reading the
+        child's ack); the event loop reads that ack soon. As `Preemptions.hard_kill` waits
+        for an unstarted victim, it looks again every `UNSTARTED_S`."""
+        pid = getattr(req, "worker_pid", None)
+        if req not in self.fenced and req not in self.stopping:
+            return  # it ended meanwhile (its failure path or release discarded it)
+        if pid is not None:
+            self.kill_child(pid)
+            return
+        timer = getattr(self.c, "timer", None)
+        if timer is None or time.monotonic() > until:
+            log.warning("ojs-ml: the stopped copy of %s never reported its process", req.id)
+            return
+        timer.call_after(UNSTARTED_S, self._kill_once_accepted, (req, until))
+
+    def kill_child(self, pid: int | None) -> bool:
+        """SIGKILL the pool child `pid` through the pool; False where one task cannot be stopped.
+
+        Only a prefork child can be stopped alone (other pools run tasks in
+        this process). Used by fencing and by preemption after the grace period.
+        """
+        if not self.prefork or not pid or pid == os.getpid():
+            return False
+        terminate = getattr(self.c.pool, "terminate_job", None)
+        if terminate is not None:
+            terminate(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return True
+
+    def _lease_missing(self, task_ids: set[str]) -> None:
+        """Our lease is gone (store restarted empty, or the job finished elsewhere)."""
+        with self.lock:
+            found = [(req, tok) for req, tok in self.tokens.items() if req.id in task_ids]
+        for req, token in found:
+            if self._already_finished(req.id):
+                self._fence_requests([req], "it has finished there")
+                continue
+            if self.leases.was_taken_back(req.id, token):  # re-published while we stalled
+                self._fence_requests([req], _STALLED)
+                continue
+            alloc = next((a for a in self.allocator.allocations() if a.key is req), None)
+            if alloc is None:
+                continue
+            record = self._job_record(req, alloc, self.store._clock())
+            try:
+                self.leases.take(record, token)
+                log.warning(
+                    "ojs-ml: the lease of %s had vanished from the store; rewritten", req.id
+                )
+            except Exception as exc:
+                log.warning("ojs-ml: could not rewrite the lease of %s: %s", req.id, exc)
+
+    def recover_own(self) -> None:
+        """On start, take back the jobs a previous incarnation of this worker was running."""
+        try:
+            for task_id in self.leases.stale_of(self.hostname, self.incarnation):
+                lease = self.leases.claim(
+                    task_id, self.hostname, self.incarnation, stale_owner=self.hostname
+                )
+                if lease is not None:
+                    self.recover(lease, "this worker restarted")
+        except Exception as exc:
+            log.warning("ojs-ml: could not recover this worker's leases: %s", exc)
+
+    def recover(self, lease: dict[str, Any], why: str) -> None:
+        """Re-publish a claimed job with the same id and its last checkpoint (or dead-letter)."""
+        task_id, token = lease["task_id"], lease["claim_token"]
+        if self._already_finished(task_id):
+            self.leases.release(task_id, token)
+            return
+        counted = gang_crash(self.store, lease["headers"])  # a gang's crash counts once
+        if counted is None:
+            crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
+        else:
+            crashes, first = counted
+            if first:  # its peers may be blocked in the rendezvous or a collective
+                stop_peers(self.app, self.store, lease["headers"], task_id)
+        # Once the lease is released, a copy still running on a stalled worker must not
+        # take it for lost with the store and write it again: it would run on.
+        self.leases.mark_taken_back(task_id, lease.get("token"))
+        if crashes > self.settings.max_crashes:
+            dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
+            self.leases.release(task_id, token)
+            return
+        headers = republish_headers(
+            lease["headers"],
+            ojs_crashes=crashes,
+            ojs_last_checkpoint=last_checkpoint_of(self.store, task_id),
+        )
+        log.warning(
+            "ojs-ml: re-publishing %s[%s]: %s (crash %d)", lease["name"], task_id, why, crashes
+        )
+        self.app.send_task(
+            lease["name"],
+            args=lease["args"],
+            kwargs=lease["kwargs"],
+            task_id=task_id,
+            retries=lease["retries"],
+            headers=headers,
+        )
+        self.leases.release(task_id, token)
+
+    def _already_finished(self, task_id: str) -> bool:
+        backend = self.app.backend
+        if type(backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            return bool(self.app.AsyncResult(task_id).state in ("SUCCESS", "FAILURE", "REVOKED"))
+        except Exception:
+            return False
+
+    def _failing(self, req: Any, original: Any) -> Any:
+        """Failure path: re-publish a preempted job; dead-letter a checkpointed one (§14.2)."""
+
+        def wrapped(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
+            if req in self.fenced:  # killed by `fence`: the copy that took over counts
+                self.fenced.discard(req)
+                worker_state.task_ready(req)
+                log.warning("ojs-ml: stopped this copy of %s; it runs elsewhere", req.id)
+                return None
+            exc = getattr(exc_info, "exception", None)
+            exc = getattr(exc, "exc", exc)
+            if req in self.stopping and isinstance(exc, BaseException):  # `ojs_ml_stop_rank`
+                self.stopping.discard(req)
+                if not requeue_rank(self, req, exc):  # else its gang is placed again
+                    give_up_rank(self, req, GangFailed(STOPPED), event=True)  # not REVOKED
+                    worker_state.task_ready(req)
+                return None
+            if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
+                return self.preemptions.requeue(req, exc)
+            terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
+            if terminal and isinstance(exc, BaseException) and requeue_rank(self, req, exc):
+                return None  # a gang rank: its whole gang is placed again (worker.gangs)
+            if terminal and HEADER_RENDEZVOUS in req.request_dict:
+                give_up_rank(self, req, exc)
+            result = original(exc_info, *args, **kwargs)
+            if terminal and req.request_dict.get("ext_ml_checkpoint_enabled"):
+                record = {
+                    "task_id": req.id,
+                    "name": req.name,
+                    "args": list(req.args),
+                    "kwargs": dict(req.kwargs),
+                    "headers": republish_headers(req.request_dict),
+                    "retries": int(req.request_dict.get("retries") or 0),
+                }
+                try:
+                    dead_letter(self.store, record, f"failed: {exc!r}")
+                except Exception as err:
+                    log.warning("ojs-ml: could not dead-letter %s: %s", req.id, err)
+            return result
+
+        return wrapped
