@@ -15,7 +15,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "celery_ojs_ml"
 ORDER = ("spec", "capabilities", "matching", "allocator", "scheduler")
-FORBIDDEN = ("celery", "kombu", "billiard", "redis", "celery_ojs_ml.plugin", "celery_ojs_ml.producer", "celery_ojs_ml.leader", "celery_ojs_ml.worker", "celery_ojs_ml.child")
+FORBIDDEN = (
+    "celery",
+    "kombu",
+    "billiard",
+    "redis",
+    "celery_ojs_ml.plugin",
+    "celery_ojs_ml.producer",
+    "celery_ojs_ml.leader",
+    "celery_ojs_ml.worker",
+    "celery_ojs_ml.child",
+)
 
 
 def imports(path: Path) -> set[str]:

@@ -190,8 +190,9 @@ def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
     queued messages cannot be listed).
     """
     from celery_ojs_ml.matching import rank
-    from celery_ojs_ml.producer.routing import PRIORITY_SUFFIXES, class_routes, queue_name
+    from celery_ojs_ml.producer.routing import class_routes, queue_name
     from celery_ojs_ml.spec.normalize import normalize
+    from celery_ojs_ml.wire.queues import PRIORITY_SUFFIXES
 
     with plugin.app.connection_for_read() as conn:
         if conn.transport.driver_type != "redis":

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def _holder_queues(plugin: OJSML) -> dict[str, tuple[str, str]]:
     """holder's own queue -> (grant field, holder), for every grant in the store."""
-    from celery_ojs_ml.producer.routing import worker_queue_name
+    from celery_ojs_ml.wire.queues import worker_queue_name
 
     prefix = plugin.settings.store_prefix
     return {

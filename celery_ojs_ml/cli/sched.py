@@ -33,8 +33,8 @@ def scheduler_part(plugin: OJSML) -> dict[str, Any]:
 
 def intake_depth(plugin: OJSML) -> dict[str, int] | None:
     """`{"waiting", "taken"}` messages in the intake queue (Redis brokers), else None."""
-    from celery_ojs_ml.producer.routing import intake_name
     from celery_ojs_ml.store import broker as redis_intake
+    from celery_ojs_ml.wire.queues import intake_name
 
     try:
         with plugin.app.connection_for_read() as conn:

@@ -26,13 +26,13 @@ from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.leader.budget_holds import BudgetHold
 from celery_ojs_ml.leader.fleet_view import Ledger
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.producer.routing import ml_queue, worker_queue_name
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy
 from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.spec.resources import gpu_share
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook
+from celery_ojs_ml.wire.queues import ml_queue, worker_queue_name
 from celery_ojs_ml.worker.gangs import HEADER_RENDEZVOUS
 
 log = logging.getLogger("celery_ojs_ml.leader.loop")

@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
-from celery_ojs_ml.producer.routing import worker_queue_name
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, WorkerState, schedule
 from celery_ojs_ml.scheduler.grants import contested, foreign, grants_after, to_revoke
 from celery_ojs_ml.store import broker as redis_intake
@@ -43,6 +42,7 @@ from celery_ojs_ml.store.grants import (
     grants_usable,
 )
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import worker_queue_name
 from celery_ojs_ml.wire.settings import OJSMLSettings
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,6 @@ from typing import Any
 from kombu import Consumer, Producer  # type: ignore[attr-defined]
 
 from celery_ojs_ml.allocator.policy import with_preemption_limits
-from celery_ojs_ml.producer.routing import ml_queue
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.broker import RedisIntake
@@ -33,6 +32,7 @@ from celery_ojs_ml.store.leases import republish_headers
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire.inbound import Admission, BadMessage
+from celery_ojs_ml.wire.queues import ml_queue
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.preemption import policy_of, preemptions_of
 from celery_ojs_ml.worker.setup import hard_time_limit

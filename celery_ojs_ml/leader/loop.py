@@ -48,7 +48,6 @@ from celery_ojs_ml.leader.pass_inputs import PassInputs
 from celery_ojs_ml.leader.pending_view import PendingView
 from celery_ojs_ml.leader.prefetch import Prefetching
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.producer.routing import intake_name, ml_queue
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, WorkerState, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX
 from celery_ojs_ml.scheduler.window import Window
@@ -56,6 +55,7 @@ from celery_ojs_ml.store.leases import LeaseBook
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook, pools_of
 from celery_ojs_ml.wire.inbound import Admission
+from celery_ojs_ml.wire.queues import intake_name, ml_queue
 from celery_ojs_ml.worker.gangs import record_members, rendezvous
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kombu import Exchange, Queue  # type: ignore[attr-defined]
+from kombu import Queue  # type: ignore[attr-defined]
 
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.lru import LRU
@@ -32,50 +32,22 @@ from celery_ojs_ml.spec.classes import (
 from celery_ojs_ml.spec.envelope import requirements_of
 from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
 from celery_ojs_ml.store.grants import HEADER_GRANT, HEADER_GRANT_AT
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import HEADER_LABELS, declared_labels
+from celery_ojs_ml.wire.queues import (
+    intake_name,
+    ml_queue,
+    worker_queue_name,
+)
 
 if TYPE_CHECKING:
     from celery_ojs_ml.plugin import OJSML
 
-HEADER_CLASS = "ojs_class"
-HEADER_BAND = "ojs_band"
-HEADER_LOGICAL = "ojs_logical_queue"
-HEADER_PENDING = "ojs_pending"
-"""Set when no live worker could run the job at publish; the reason is the value."""
-PRIVATE_HEADERS = ("ojs_devices", "ojs_node", "redelivered")
-SCHEDULER_HEADERS = (
-    "ojs_assign",
-    "ojs_victims",
-    "ojs_rendezvous",
-    "ojs_prefetch",
-    "ojs_grant",
-    "ojs_grant_at",
-)
-"""Set by the scheduler on one delivery; never carried into a new publish."""
-
-
-def worker_queue_name(prefix: str, worker: str) -> str:
-    """The queue only `worker` consumes: the scheduler delivers its assignments there."""
-    return f"{prefix}.ml.w.{worker}"
-
-
-def intake_name(prefix: str) -> str:
-    """The queue every ML job is published to first; only the fleet scheduler reads it."""
-    return f"{prefix}.ml.intake"
-
-
-def ml_queue(name: str, *, declare: bool = True) -> Queue:
-    """The one definition of a requirement-class queue, used by producers and workers alike.
-
-    `declare=False` (a worker re-adding a queue it declared on this connection)
-    skips the declaration round trips when it starts consuming again.
-    """
-    exchange = Exchange(name, type="direct")  # type: ignore[no-untyped-call]
-    return Queue(name, exchange, routing_key=name, no_declare=not declare)  # type: ignore[no-untyped-call]
-
-
-PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-"""kombu's Redis transport keeps a queue's priority steps in `<queue><sep><n>` lists (kombu 5.7)."""
+HEADER_CLASS = h.CLASS
+HEADER_BAND = h.BAND
+HEADER_LOGICAL = h.LOGICAL
+HEADER_PENDING = h.PENDING
+SCHEDULER_HEADERS = h.DELIVERY
 
 
 def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:

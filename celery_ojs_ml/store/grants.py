@@ -41,8 +41,8 @@ def grants_usable(app: Any) -> bool:
     fair-share weights (fair order is not the leader's first-come placement), and a Redis
     broker that is also the store (the leader takes queued jobs back off the broker's
     lists, `redis_intake.sweep_granted`)."""
-    from celery_ojs_ml.producer.routing import intake_name
     from celery_ojs_ml.store.broker import wake_list
+    from celery_ojs_ml.wire.queues import intake_name
 
     settings = app.ojs_ml.settings
     if not settings.grants or settings.fair_share:
@@ -118,8 +118,8 @@ def locate_granted(plugin: Any, task_id: str) -> tuple[str, str, int] | None:
     """Where a job sent under a grant waits: (holder, grant field, jobs queued before it;
     -1 when held at the holder's gate), or None. Reads the next `_SCAN_LIMIT` messages of
     each holder's queue, then the messages workers took and did not acknowledge yet."""
-    from celery_ojs_ml.producer.routing import worker_queue_name
     from celery_ojs_ml.store import broker as redis_intake
+    from celery_ojs_ml.wire.queues import worker_queue_name
 
     grants = plugin.grant_book.all()
     if not grants:

@@ -26,17 +26,14 @@ from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.child.models import live_models, merged
 from celery_ojs_ml.matching import Verdict, match
-from celery_ojs_ml.producer.routing import (
-    class_routes,
-    ml_queue,
-    queue_name,
-)
+from celery_ojs_ml.producer.routing import class_routes, queue_name
 from celery_ojs_ml.spec.classes import BANDS, hard_constraints
 from celery_ojs_ml.spec.normalize import Bounds, normalize
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.store.reservations import held_by
 from celery_ojs_ml.wire.inbound import Admission
+from celery_ojs_ml.wire.queues import ml_queue
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.gate import Gate
 from celery_ojs_ml.worker.setup import (

@@ -30,13 +30,13 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.leader.loop import send_wake
 from celery_ojs_ml.leader.process import start_candidate
-from celery_ojs_ml.producer.routing import intake_name, worker_queue_name
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook
 from celery_ojs_ml.wire.inbound import Admission
+from celery_ojs_ml.wire.queues import intake_name, worker_queue_name
 from celery_ojs_ml.worker.advertising import Advertising
 from celery_ojs_ml.worker.gangs import primary_address
 from celery_ojs_ml.worker.preemption import Preemptions

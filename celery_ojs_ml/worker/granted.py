@@ -46,7 +46,6 @@ from celery import Celery
 
 from celery_ojs_ml.allocator import Allocator, Pending
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.producer.routing import intake_name, ml_queue
 from celery_ojs_ml.store.grants import (
     HEADER_GRANT,
     HEADER_GRANT_AT,
@@ -54,6 +53,7 @@ from celery_ojs_ml.store.grants import (
     grants_usable,
 )
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import intake_name, ml_queue
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.assigned import drop, message_of, token_of
 

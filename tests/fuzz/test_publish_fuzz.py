@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.plugin import OJSML
-from celery_ojs_ml.producer.routing import intake_name
 from celery_ojs_ml.spec.documents import canonical, parse_document
 from celery_ojs_ml.spec.envelope import requirements_of
 from celery_ojs_ml.spec.flux import FluxJob
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.workflow import Workflow
+from celery_ojs_ml.wire.queues import intake_name
 from tests.fuzz.strategies import (
     ENVELOPES,
     FLUX_EXAMPLE,

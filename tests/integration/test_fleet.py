@@ -29,9 +29,9 @@ from celery.bin.base import CLIContext
 from click.testing import CliRunner
 
 from celery_ojs_ml.cli.main import cli
-from celery_ojs_ml.producer.routing import worker_queue_name
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import worker_queue_name
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

@@ -19,12 +19,13 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ojs_ml.producer.routing import ml_queue, queue_name
+from celery_ojs_ml.producer.routing import queue_name
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.store.deadletter import dead_jobs
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import ml_queue
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 

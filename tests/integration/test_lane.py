@@ -22,12 +22,12 @@ from celery_ojs_ml.allocator.model import Allocation
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
 from celery_ojs_ml.leader.loop import FleetScheduler
-from celery_ojs_ml.producer.routing import worker_queue_name
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.broker import PROCESSING_SUFFIX
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import worker_queue_name
 from tests.integration.workers import WorkerProcess, running
 
 pytestmark = pytest.mark.integration

@@ -23,11 +23,11 @@ from celery import Celery
 from kombu import Connection, Producer  # type: ignore[attr-defined]
 from kombu.transport import redis as kombu_redis
 
-from celery_ojs_ml.producer.routing import intake_name, ml_queue
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.broker import PROCESSING_SUFFIX, RedisIntake
 from celery_ojs_ml.store.pending import HEADER_MSG
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import intake_name, ml_queue
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess
 
