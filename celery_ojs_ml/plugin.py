@@ -19,19 +19,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery, signals
+from celery.canvas import Signature
 
-from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
-from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.matching import match, pending_message
-from celery_ojs_ml.producer.routing import (
-    HEADER_BAND,
-    HEADER_CLASS,
-    HEADER_LOGICAL,
-    HEADER_PENDING,
-    MLRouter,
-)
-from celery_ojs_ml.producer.submission import Submitting
+from celery_ojs_ml.producer.eligibility import Eligibility, LiveWorker
+from celery_ojs_ml.producer.routing import MLRouter
+from celery_ojs_ml.producer.submission import Submission
 from celery_ojs_ml.spec.envelope import ParseOptions
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store.grants import (
@@ -41,12 +34,11 @@ from celery_ojs_ml.store.grants import (
     locate_granted,
     queue_grantable,
 )
-from celery_ojs_ml.store.pending import HEADER_MSG
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.settings import OJSMLSettings, read_settings
 
 log = logging.getLogger(__name__)
-_LIVE_CACHE_S = 1.0
 _TAKE_BACK_S = 5.0
 """How long `prioritize` waits for the leader to take back a job sent under a grant."""
 _IN_FLIGHT_S = 0.5
@@ -56,7 +48,7 @@ _ROUTED = threading.local()
 """The plugin that routed the message being published on this thread (router -> publish)."""
 
 
-class OJSML(Submitting):
+class OJSML:
     """The plugin object; one per Celery app (`OJSML(app)` is idempotent)."""
 
     def __init__(self, app: Celery) -> None:
@@ -64,11 +56,8 @@ class OJSML(Submitting):
         self.app = app
         self._settings: OJSMLSettings | None = None
         self._store: OJSStore | None = None
-        self._registered: LRU[tuple[str, str, str], int] = LRU(4096)
-        """(class, queue, band) -> the registry version seen when it was registered."""
-        self._live: tuple[float, list[tuple[Capabilities, frozenset[str] | None]]] = (0.0, [])
-        self._eligible: LRU[tuple[str, str], tuple[float, str | None]] = LRU(4096)
-        self._store_version = 0
+        self.eligibility = Eligibility(lambda: self.store)
+        self.submission = Submission(app, lambda: self.parse_options, self.check_reservation)
         self._grants: GrantBook | None = None
         self._grants_on: bool | None = None
         if isinstance(existing, OJSML):
@@ -77,10 +66,13 @@ class OJSML(Submitting):
         self._install_router()
         signals.before_task_publish.connect(_apply_time_limit, weak=False)
         signals.before_task_publish.connect(_record_pending, weak=False)
+        from celery_ojs_ml.child import hooks as child_hooks
+        from celery_ojs_ml.leader.process import start_candidate
         from celery_ojs_ml.producer import dedup
         from celery_ojs_ml.worker.core import install
 
-        install(app)
+        child_hooks.install()
+        install(app, children=child_hooks.POOL_CHILDREN, start_candidate=start_candidate)
         dedup.install(app)
 
     # -- configuration -------------------------------------------------------------------------
@@ -165,66 +157,14 @@ class OJSML(Submitting):
 
     # -- publish-side helpers used by the router ---------------------------------------------
 
-    def register_class(
-        self, cid: str, constraints: dict[str, Any], logical: str, band: str
-    ) -> None:
-        """Register a (class, logical queue, band) once per store lifetime; workers pick it up.
-
-        The registry version only grows, so a version below the one seen at
-        registration means the store restarted empty: register again.
-        """
-        key = (cid, logical, band)
-        seen = self._registered.get(key)
-        if seen is not None and seen <= self._store_version:
-            return
-        self.store.register_class(cid, constraints, logical_queue=logical, band=band)
-        self._store_version = self.store.classes_version()
-        self._registered[key] = self._store_version
-
-    def live_workers(self) -> list[tuple[Capabilities, frozenset[str] | None]]:
-        """(capabilities, consumed queues) of the live workers, cached for a second.
-
-        The queues are None for a worker that does not advertise them.
-        """
-        stamp, cached = self._live
-        now = time.monotonic()
-        if now - stamp > _LIVE_CACHE_S:
-            cached = []
-            version = self.store.classes_version()
-            if version < self._store_version:
-                self._registered.clear()  # the store restarted empty
-            self._store_version = version
-            for w in self.store.live_workers().values():
-                queues = (w.get("info") or {}).get("queues")
-                consumed = None if queues is None else frozenset(queues)
-                cached.append((parse_capabilities(w["capabilities"]), consumed))
-            self._live = (now, cached)
-        return cached
+    def live_workers(self) -> list[LiveWorker]:
+        """(capabilities, consumed queues) of the live workers, cached for a second."""
+        return self.eligibility.live_workers()
 
     def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None:
-        """The pending reason when no live worker could ever run the job, else None.
-
-        A worker counts if it consumes the job's logical queue and its
-        capabilities satisfy the class. Eligibility depends only on the class,
-        the logical queue and the live workers, so it is computed once per
-        (class, queue) per live-worker refresh.
-        """
-        live = self.live_workers()
-        stamp = self._live[0]
-        known = self._eligible.get((cid, logical))
-        if known is not None and known[0] == stamp:
-            reason = known[1]
-        else:
-            serving = [caps for caps, queues in live if queues is None or logical in queues]
-            if live and not serving:
-                reason = (
-                    f"0/{len(live)} live workers consume queue {logical!r}; start one with "
-                    f"`celery worker -Q {logical}`"
-                )
-            else:
-                results = [match(req, caps) for caps in serving]
-                reason = None if any(r.eligible for r in results) else pending_message(results)
-            self._eligible[(cid, logical)] = (stamp, reason)
+        """The pending reason when no live worker could ever run the job, else None
+        (`producer.eligibility`); with `ojs_ml_deny_unsatisfiable` it raises instead."""
+        reason = self.eligibility.reason(req, cid, logical)
         if reason is None:
             return None
         if self.settings.deny_unsatisfiable:
@@ -239,11 +179,11 @@ class OJSML(Submitting):
         """Store the pending record of a job being published and announce it (OJS §7.2)."""
         task_id = str(headers.get("id"))
         record = {
-            "reason": headers[HEADER_PENDING],
+            "reason": headers[h.PENDING],
             "task": headers.get("task"),
-            "class_id": headers.get(HEADER_CLASS),
-            "band": headers.get(HEADER_BAND),
-            "queue": headers.get(HEADER_LOGICAL),
+            "class_id": headers.get(h.CLASS),
+            "band": headers.get(h.BAND),
+            "queue": headers.get(h.LOGICAL),
         }
         try:
             self.store.set_pending(task_id, record)
@@ -252,6 +192,20 @@ class OJSML(Submitting):
         except Exception as exc:  # the job is published either way; say why it waits in the log
             log.warning("ojs-ml: could not record that %s waits (%s): %s", task_id, record, exc)
         log.info("ojs-ml: %s waits: %s", task_id, record["reason"])
+
+    # -- OJS documents and gangs (`producer.submission`) ----------------------------------------
+
+    def signature_for(self, doc: Any) -> Signature:
+        """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
+        return self.submission.signature_for(doc)
+
+    def submit(self, doc: Any) -> Any:
+        """Validate and publish an OJS envelope (either form), a workflow or a Flux jobspec."""
+        return self.submission.submit(doc)
+
+    def gang(self, sig: Signature, size: int) -> Any:
+        """Run `sig` as a gang of `size` ranks, all placed at once or none (`Submission.gang`)."""
+        return self.submission.gang(sig, size)
 
     # -- RFC 27 requests on the pending set ---------------------------------------------------
 
@@ -370,7 +324,7 @@ class OJSML(Submitting):
         return ReservationBook(self.store).all()
 
     def _wake(self) -> None:
-        from celery_ojs_ml.leader.loop import send_wake
+        from celery_ojs_ml.store.broker import send_wake
 
         try:
             send_wake(self.app, "api")
@@ -389,8 +343,8 @@ def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:
     becomes the execution time limit, overriding the task's."""
     if not headers:
         return
-    if headers.get(HEADER_CLASS):
-        headers[HEADER_MSG] = uuid.uuid4().hex
+    if headers.get(h.CLASS):
+        headers[h.MSG] = uuid.uuid4().hex
     timeout = headers.get("ext_ml_timeout_seconds")
     if isinstance(timeout, int) and timeout > 0:
         headers["timelimit"] = (timeout, None)
@@ -402,5 +356,5 @@ def _record_pending(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if plugin is None:
         return
     _ROUTED.plugin = None
-    if headers and headers.get(HEADER_PENDING):
+    if headers and headers.get(h.PENDING):
         plugin.mark_pending(headers)

@@ -10,7 +10,7 @@ from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.producer.routing import MLRouter
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, normalize
-from celery_ojs_ml.wire.inbound import Admission, BadMessage
+from celery_ojs_ml.wire.inbound import BadMessage, InboundCheck
 
 
 def test_an_lru_keeps_at_most_maxsize_entries_and_drops_the_least_recently_used() -> None:
@@ -37,7 +37,7 @@ def _job(uri: str) -> dict[str, object]:
 
 
 def test_the_gate_memo_stays_bounded_with_a_checkpoint_uri_per_run() -> None:
-    admission = Admission(DEFAULT_BOUNDS, 65536)
+    admission = InboundCheck(DEFAULT_BOUNDS, 65536)
     for run in range(1500):
         assert admission.requirements(_job(f"s3://ckpt/run-{run}/")) is not None
     assert admission.cache_size() == 1024
@@ -45,7 +45,7 @@ def test_the_gate_memo_stays_bounded_with_a_checkpoint_uri_per_run() -> None:
 
 def test_the_gate_drops_headers_only_it_may_set_even_on_plain_tasks() -> None:
     headers = {"ojs_devices": [3], "ojs_pin": True, "ojs_node": "x", "ojs_lease": 5, "a": 1}
-    assert Admission(DEFAULT_BOUNDS, 65536).requirements(headers) is None
+    assert InboundCheck(DEFAULT_BOUNDS, 65536).requirements(headers) is None
     assert headers == {"a": 1}
 
 
@@ -53,7 +53,7 @@ def test_a_requirement_header_over_the_size_bound_is_refused_naming_the_setting(
     headers = _job("s3://ckpt/x/")
     headers["ext_ml_model_id"] = "m" * 5000
     with pytest.raises(BadMessage, match="ojs_ml_max_header_bytes"):
-        Admission(DEFAULT_BOUNDS, 4096).requirements(headers)
+        InboundCheck(DEFAULT_BOUNDS, 4096).requirements(headers)
 
 
 def test_the_router_memo_and_the_eligibility_memo_stay_bounded() -> None:
@@ -63,4 +63,4 @@ def test_the_router_memo_and_the_eligibility_memo_stay_bounded() -> None:
     for run in range(1500):
         router._resolve({"ext_ml_gpu_count": 1, "ext_ml_model_id": f"m-{run}"}, "celery")
     assert len(router._memo) == 1024
-    assert plugin._eligible.maxsize == 4096 and plugin._registered.maxsize == 4096
+    assert plugin.eligibility._eligible.maxsize == 4096

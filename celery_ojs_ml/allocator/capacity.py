@@ -1,9 +1,9 @@
 """The running half of `Allocator`: the jobs that run, what they leave free, what fits.
 
 `RunningBook` holds a worker's running jobs, its totals and its reservations;
-it answers what is free (for matching and the subscription) and whether a
-request fits now (`_assess`). `Allocator` (`allocator.core`) adds the hold
-queue, commits and preemption on top.
+it answers what is free (for matching and the subscription), whether a request
+fits now (`assess`) and which devices a job would take. `Allocator`
+(`allocator.core`) owns one and adds the hold queue, commits and preemption.
 
 Key decision: free capacity is recomputed from the running jobs, never kept as
 a running total, so floats do not drift; the answer with nothing released is
@@ -17,12 +17,25 @@ from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from celery_ojs_ml.allocator.choice import share_want, wants_peers
+from celery_ojs_ml.allocator.choice import choose_whole, linked, share_want, wants_peers
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
-from celery_ojs_ml.allocator.model import RESOURCE_NAMES, Allocation, Demand, Pending
+from celery_ojs_ml.allocator.model import (
+    RESOURCE_NAMES,
+    Allocation,
+    AllocatorError,
+    Demand,
+    Pending,
+)
 from celery_ojs_ml.allocator.policy import blocker, counted_reasons, peer_reasons
 from celery_ojs_ml.allocator.pools import general_free, pool_free, pool_of
-from celery_ojs_ml.allocator.sharing import ShareLedger, device_free, share_reasons, untouched
+from celery_ojs_ml.allocator.sharing import (
+    ShareLedger,
+    device_free,
+    share_device,
+    share_milli,
+    share_reasons,
+    untouched,
+)
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, Reason, Verdict
 from celery_ojs_ml.matching.match import hard_reasons
@@ -97,15 +110,109 @@ class RunningBook:
         """How many running jobs have each `RunningJob.shape` (kept as jobs start and end)."""
         self._free_now: Demand | None = None
         self._free_by_shape: dict[Hashable, Demand] = {}
-        """Caches of `capacity_key` and `_free(())`, dropped whenever `_running` changes."""
+        """Caches of `capacity_key` and `free_after(())`, dropped whenever `_running` changes."""
         self._pools: dict[str, Demand] = {}
         """Dynamic reservations held here: id -> the capacity carved out for it (§8.3)."""
         self._assessed: dict[tuple[int, Hashable], tuple[MLRequirements, Assessment]] = {}
         """Memo of `_assess_now`: (request id, capacity shape) -> the request and its verdict."""
 
+    @property
+    def pools(self) -> Mapping[str, Demand]:
+        """The reservations held here and their sizes."""
+        return dict(self._pools)
+
+    @property
+    def total(self) -> Demand:
+        """The worker's counted capacity, less its reserves."""
+        return self._total
+
+    @property
+    def sharing(self) -> bool:
+        """Whether GPUs are shared in milli-GPU (`allocator.sharing`)."""
+        return self._ledger is not None
+
+    def set_pools(self, pools: Mapping[str, Demand]) -> None:
+        """Hold exactly these reservations (`allocator.pools`); others end here."""
+        if dict(pools) != self._pools:
+            self._pools = dict(pools)
+            self._shape = self._free_now = None
+            self._assessed.clear()
+            self._free_by_shape.clear()
+
+    def get(self, key: Hashable) -> RunningJob | None:
+        """The running job of `key`, or None."""
+        return self._running.get(key)
+
+    def jobs(self) -> Mapping[Hashable, RunningJob]:
+        """Every running job by key (a live view: read it, do not keep it)."""
+        return self._running
+
+    def add(self, key: Hashable, job: RunningJob) -> None:
+        """A job starts: its devices (and milli-GPU) are taken."""
+        if self._ledger is not None:  # refuses to oversubscribe a device (invariant 1)
+            self._ledger.take_job(key, job.alloc.devices, job.alloc.gpu_milli)
+        self._running[key] = job
+        self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
+        self._shape = self._free_now = None
+
+    def remove(self, key: Hashable) -> RunningJob | None:
+        """A job ends: what it held is free again; None if it was not running."""
+        job = self._running.pop(key, None)
+        if job is None:
+            return None
+        if self._ledger is not None:
+            self._ledger.release_job(key, job.alloc.devices)
+        left = self._shapes[job.shape] - 1
+        if left:
+            self._shapes[job.shape] = left
+        else:
+            del self._shapes[job.shape]
+        self._shape = self._free_now = None
+        return job
+
+    def may_trade(self, job: RunningJob, devices: Sequence[int]) -> bool:
+        """Whether a job may run on `devices` instead: as many, whole, as linked as before."""
+        old = job.alloc.devices
+        if len(devices) != len(old) or job.alloc.gpu_milli:
+            return False  # a share stays where its milli-GPU are accounted
+        peers = self._peers
+        return peers is None or len(old) < 2 or not linked(old, peers) or linked(devices, peers)
+
+    def repin(self, pairs: Sequence[tuple[Hashable, Sequence[int]]]) -> list[Allocation]:
+        """Give running (whole-GPU) jobs other devices, all at once; their new allocations.
+
+        Every job's devices are released before any is taken again, so two jobs may
+        exchange theirs. The count of each shape is unchanged (a shape names no device).
+        """
+        jobs = [(key, self._running[key]) for key, _ in pairs]
+        if self._ledger is not None:
+            for key, job in jobs:
+                self._ledger.release_job(key, job.alloc.devices)
+        out = []
+        for (key, job), (_, devices) in zip(jobs, pairs, strict=True):
+            alloc = replace(job.alloc, devices=tuple(devices))
+            if self._ledger is not None:
+                self._ledger.take_job(key, alloc.devices, 0)
+            self._running[key] = RunningJob(alloc, job.labels, job.pool)
+            out.append(alloc)
+        return out
+
+    def devices_for(
+        self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]
+    ) -> tuple[tuple[int, ...], int]:
+        """The devices a job takes (`allocator.choice`) and its milli (0: whole GPUs)."""
+        milli = share_milli(req, self._caps) if self._ledger is not None else None
+        if milli is not None:
+            return (share_device(self.gpu_free_milli(), milli, prefer),), milli
+        peers = self._peers if wants_peers(req, self._peers) else None
+        found = choose_whole(self._caps.gpu_count, self.taken(()), want.gpus, prefer, peers)
+        if found is None:
+            raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
+        return found, 0
+
     def free_capacity(self) -> FreeCapacity:
         """What is free now, for matching and the subscription."""
-        return self._capacity_view(())
+        return self.capacity_view(())
 
     def allocations(self) -> list[Allocation]:
         """Running allocations, oldest first."""
@@ -119,13 +226,13 @@ class RunningBook:
         )
         return device_free(self._caps.gpu_count, held)
 
-    def _shape_now(self) -> frozenset[tuple[tuple[Any, ...], int]]:
+    def shape_now(self) -> frozenset[tuple[tuple[Any, ...], int]]:
         """The running jobs' part of `capacity_key`: each job shape with its count."""
         if self._shape is None:
             self._shape = frozenset(self._shapes.items())
         return self._shape
 
-    def _free(self, released: Collection[Allocation]) -> Demand:
+    def free_after(self, released: Collection[Allocation]) -> Demand:
         """Free counted resources, `released` gone; a device a share touches is not a free GPU."""
         free = self._free_counted(released)
         if self._ledger is None or not any(j.alloc.gpu_milli for j in self._running.values()):
@@ -140,10 +247,10 @@ class RunningBook:
         remembered per shape: a worker cycling through alike jobs sums only once.
         """
         if self._pools:
-            return self._free_in(None, released)
+            return self.free_in(None, released)
         if not released:
             if self._free_now is None:
-                shape = self._shape_now()
+                shape = self.shape_now()
                 free = self._free_by_shape.get(shape)
                 if free is None:
                     if len(self._free_by_shape) >= ASSESSED_MAX:
@@ -157,7 +264,7 @@ class RunningBook:
         used = Demand.total(j.alloc.demand for k, j in self._running.items() if k not in gone)
         return self._total.minus(used)
 
-    def _free_in(self, pool: str | None, released: Collection[Allocation]) -> Demand:
+    def free_in(self, pool: str | None, released: Collection[Allocation]) -> Demand:
         """Free for a job inside `pool` (None: outside every pool), `released` gone."""
         gone = {a.key for a in released}
         uses = [(j.pool, j.alloc.demand) for k, j in self._running.items() if k not in gone]
@@ -165,8 +272,8 @@ class RunningBook:
             return general_free(self._total, uses, self._pools)
         return pool_free(pool, uses, self._pools)
 
-    def _capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
-        free, gone = self._free(released), {a.key for a in released}
+    def capacity_view(self, released: Collection[Allocation]) -> FreeCapacity:
+        free, gone = self.free_after(released), {a.key for a in released}
         return FreeCapacity(
             gpus=free.gpus,
             cpu_cores=free.cpu_cores,
@@ -178,14 +285,14 @@ class RunningBook:
             reservations=frozenset(self._pools),
         )
 
-    def _assess(
+    def assess(
         self, req: MLRequirements, ahead: Sequence[Pending], released: Collection[Allocation] = ()
     ) -> Assessment:
         """FITS / WAIT / NEVER with reasons; counted resources are judged here (reserves)."""
         pool = pool_of(req.ext_ml_reservation_id, self._pools)
-        free = self._free_in(pool, released) if pool else self._free(released)
+        free = self.free_in(pool, released) if pool else self.free_after(released)
         total = self._pools[pool] if pool else self._total
-        found = hard_reasons(req, self._caps, self._capacity_view(released))
+        found = hard_reasons(req, self._caps, self.capacity_view(released))
         reasons = [r for r in found if r.resource not in _COUNTED]
         want = Demand.of(req)
         if gpu_share(req) is not None:
@@ -194,7 +301,7 @@ class RunningBook:
             want = share_want(req, self._caps, want, milli)
         reasons += counted_reasons(want, total, free)
         if not reasons and self._peers is not None and wants_peers(req, self._peers):
-            taken = self._taken(released)
+            taken = self.taken(released)
             count, most = self._caps.gpu_count, self._most_linked
             reasons += peer_reasons(want.gpus, self._peers, count, taken, most)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
@@ -208,8 +315,8 @@ class RunningBook:
         why = blocker(want, free, rivals)
         return Assessment(Verdict.WAIT, (), why) if why else Assessment(Verdict.FITS, (), "")
 
-    def _assess_now(self, req: MLRequirements) -> Assessment:
-        """`_assess(req, ())`, memoised on the request and the capacity shape.
+    def assess_now(self, req: MLRequirements) -> Assessment:
+        """`assess(req, ())`, memoised on the request and the capacity shape.
 
         With nothing held ahead the answer depends only on the request, the
         worker's totals and the running jobs' shapes, so a worker starting
@@ -217,32 +324,32 @@ class RunningBook:
         request object alive, so its `id` cannot be reused while cached.
         """
         if self._pools or wants_peers(req, self._peers):  # device sets matter, not counts alone
-            return self._assess(req, ())
-        key = (id(req), self._shape_now())
+            return self.assess(req, ())
+        key = (id(req), self.shape_now())
         hit = self._assessed.get(key)
         if hit is not None and hit[0] is req:
             return hit[1]
-        seen = self._assess(req, ())
+        seen = self.assess(req, ())
         if len(self._assessed) >= ASSESSED_MAX:
             self._assessed.clear()
         self._assessed[key] = (req, seen)
         return seen
 
-    def _assess_behind(self, req: MLRequirements, ahead: Sequence[Pending]) -> Assessment:
-        """`_assess(req, ahead)`: the memoised verdict against what is free (`_assess_now`),
+    def assess_behind(self, req: MLRequirements, ahead: Sequence[Pending]) -> Assessment:
+        """`assess(req, ahead)`: the memoised verdict against what is free (`_assess_now`),
         then the backfill rule against the held requests `ahead` when that verdict fits.
         The reasons never depend on `ahead`; only whether a fitting request must wait."""
         if not ahead:
-            return self._assess_now(req)
+            return self.assess_now(req)
         if self._pools or gpu_share(req) is not None or wants_peers(req, self._peers):
-            return self._assess(req, ahead)
-        seen = self._assess_now(req)
+            return self.assess(req, ahead)
+        seen = self.assess_now(req)
         if seen.verdict is not Verdict.FITS:
             return seen
-        why = blocker(Demand.of(req), self._free(()), ahead)  # no pools: every one a rival
+        why = blocker(Demand.of(req), self.free_after(()), ahead)  # no pools: every one a rival
         return Assessment(Verdict.WAIT, (), why) if why else seen
 
-    def _taken(self, released: Collection[Allocation]) -> set[int]:
+    def taken(self, released: Collection[Allocation]) -> set[int]:
         gone = {a.key for a in released}
         return {i for a in self.allocations() if a.key not in gone for i in a.devices}
 

@@ -4,8 +4,8 @@ One `Allocator` owns a worker's counted resources and GPU indices. It answers
 `try_alloc` with an `Allocation` (SUCCESS), a `Pending` carrying the pending
 reason (ANNOTATE) or `Denied` (DENY); it also frees, cancels and re-prioritises
 held requests, pumps the hold queue, and picks preemption victims. What runs,
-and what it leaves free, is kept by the `RunningBook` it extends
-(`allocator.capacity`).
+and what it leaves free, is kept by the `RunningBook` it owns (`book`,
+`allocator.capacity`).
 
 Key decision: it is pure. No Celery, no I/O, no threads and an injected clock,
 so the worker's gate (which calls it from the main process only) owns all
@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Hashable, KeysView, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Collection, Hashable, KeysView, Mapping, Sequence
 from typing import Any
 
 from celery_ojs_ml.allocator.capacity import RunningBook, RunningJob
-from celery_ojs_ml.allocator.choice import choose_whole, linked, wants_peers
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
@@ -39,14 +37,13 @@ from celery_ojs_ml.allocator.model import (
 )
 from celery_ojs_ml.allocator.policy import choose_victims, is_victim
 from celery_ojs_ml.allocator.pools import pool_of
-from celery_ojs_ml.allocator.sharing import share_device, share_milli
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, Verdict
 from celery_ojs_ml.spec.classes import band as band_of
 from celery_ojs_ml.spec.resources import MLRequirements
 
 
-class Allocator(RunningBook):
+class Allocator:
     """Devices, counted resources and the hold queue of one worker (see module doc)."""
 
     def __init__(
@@ -60,13 +57,15 @@ class Allocator(RunningBook):
         gpu_sharing: bool = False,
         nvlink_peers: Peers | None = None,
     ) -> None:
-        super().__init__(
+        self.book = RunningBook(
             caps,
             reserve_cpu=reserve_cpu,
             reserve_memory_gb=reserve_memory_gb,
             gpu_sharing=gpu_sharing,
             nvlink_peers=nvlink_peers,
         )
+        self._caps = caps
+        self._peers = nvlink_peers
         self._clock = clock
         self._allow_on_demand = allow_on_demand_preemption
         self._held: dict[Hashable, Pending] = {}
@@ -75,16 +74,24 @@ class Allocator(RunningBook):
 
     def set_pools(self, pools: Mapping[str, Demand]) -> None:
         """Hold exactly these reservations (`allocator.pools`); others end here."""
-        if dict(pools) != self._pools:
-            self._pools = dict(pools)
-            self._shape = self._free_now = None
-            self._assessed.clear()
-            self._free_by_shape.clear()
+        self.book.set_pools(pools)
 
     @property
     def pools(self) -> Mapping[str, Demand]:
         """The reservations held here and their sizes."""
-        return dict(self._pools)
+        return self.book.pools
+
+    def free_capacity(self) -> FreeCapacity:
+        """What is free now, for matching and the subscription."""
+        return self.book.free_capacity()
+
+    def allocations(self) -> list[Allocation]:
+        """Running allocations, oldest first."""
+        return self.book.allocations()
+
+    def gpu_free_milli(self, released: Collection[Allocation] = ()) -> tuple[int, ...]:
+        """Milli-GPU left on each device (0 where a whole job holds it), `released` gone."""
+        return self.book.gpu_free_milli(released)
 
     def try_alloc(
         self,
@@ -107,7 +114,7 @@ class Allocator(RunningBook):
         band, now = band_of(req), self._clock()
         mine = (-rank(band), -priority, now)
         ahead = [p for p in self.held() if self._order(p)[:3] <= mine] if self._held else []
-        seen = self._assess_behind(req, ahead)
+        seen = self.book.assess_behind(req, ahead)
         if seen.verdict is Verdict.NEVER:
             return Denied(key, task_id, seen.why, seen.reasons)
         if seen.verdict is Verdict.WAIT:
@@ -117,7 +124,7 @@ class Allocator(RunningBook):
     def hold(self, pending: Pending) -> None:
         """Queue a request by band, then priority (higher first), then FIFO by `since`."""
         self._check_new(pending.key)
-        seen = self._assess_now(pending.req)
+        seen = self.book.assess_now(pending.req)
         if seen.verdict is Verdict.NEVER:
             raise AllocatorError(
                 f"task {pending.task_id} can never run on this worker ({seen.why}); "
@@ -128,18 +135,8 @@ class Allocator(RunningBook):
 
     def free(self, key: Hashable) -> Allocation | None:
         """RFC 27 free: release a running job's resources; None if it holds none."""
-        job = self._running.pop(key, None)
-        if job is None:
-            return None
-        if self._ledger is not None:
-            self._ledger.release_job(key, job.alloc.devices)
-        left = self._shapes[job.shape] - 1
-        if left:
-            self._shapes[job.shape] = left
-        else:
-            del self._shapes[job.shape]
-        self._shape = self._free_now = None
-        return job.alloc
+        job = self.book.remove(key)
+        return None if job is None else job.alloc
 
     def move(self, key: Hashable, devices: Sequence[int]) -> Allocation | None:
         """Give a running job other devices of the same count, if all are free; else None.
@@ -147,15 +144,14 @@ class Allocator(RunningBook):
         The warm pool moves a job to the devices an idle child is bound to. A set
         of NVLink peers is only exchanged for another one.
         """
-        job = self._running.get(key)
-        if job is None or not self._may_trade(job, devices):
+        book = self.book
+        job = book.get(key)
+        if job is None or not book.may_trade(job, devices):
             return None
-        taken = {i for k, j in self._running.items() if k != key for i in j.alloc.devices}
+        taken = {i for k, j in book.jobs().items() if k != key for i in j.alloc.devices}
         if set(devices) & taken or not all(0 <= i < self._caps.gpu_count for i in devices):
             return None
-        if self._ledger is not None:
-            self._ledger.release_job(key, job.alloc.devices)
-        return self._repin(key, job, devices)
+        return book.repin([(key, devices)])[0]
 
     def swap(self, a: Hashable, b: Hashable) -> tuple[Allocation, Allocation] | None:
         """Exchange the devices of two running jobs of the same count; None if they cannot.
@@ -163,31 +159,15 @@ class Allocator(RunningBook):
         The warm pool gives a job waiting for a pool child the devices an idle
         child is bound to, when a later job that no child has taken holds them.
         """
-        ja, jb = self._running.get(a), self._running.get(b)
+        book = self.book
+        ja, jb = book.get(a), book.get(b)
         if ja is None or jb is None or a == b:
             return None
         da, db = ja.alloc.devices, jb.alloc.devices
-        if not (self._may_trade(ja, db) and self._may_trade(jb, da)):
+        if not (book.may_trade(ja, db) and book.may_trade(jb, da)):
             return None
-        if self._ledger is not None:
-            self._ledger.release_job(a, da)
-            self._ledger.release_job(b, db)
-        return self._repin(a, ja, db), self._repin(b, jb, da)
-
-    def _may_trade(self, job: RunningJob, devices: Sequence[int]) -> bool:
-        """Whether a job may run on `devices` instead: as many, whole, as linked as before."""
-        old = job.alloc.devices
-        if len(devices) != len(old) or job.alloc.gpu_milli:
-            return False  # a share stays where its milli-GPU are accounted
-        peers = self._peers
-        return peers is None or len(old) < 2 or not linked(old, peers) or linked(devices, peers)
-
-    def _repin(self, key: Hashable, job: RunningJob, devices: Sequence[int]) -> Allocation:
-        alloc = replace(job.alloc, devices=tuple(devices))
-        if self._ledger is not None:
-            self._ledger.take_job(key, alloc.devices, 0)
-        self._running[key] = RunningJob(alloc, job.labels, job.pool)
-        return alloc
+        new_a, new_b = book.repin([(a, db), (b, da)])
+        return new_a, new_b
 
     def cancel(self, key: Hashable) -> Pending | None:
         """RFC 27 cancel: drop a held request (revoked, expired); None if not held."""
@@ -217,7 +197,7 @@ class Allocator(RunningBook):
                 pending.reason = same[1]
                 ahead.append(pending)
                 continue
-            seen = self._assess_behind(pending.req, ahead)
+            seen = self.book.assess_behind(pending.req, ahead)
             if seen.verdict is Verdict.FITS:
                 self.cancel(pending.key)
                 started.append(self._start(pending))
@@ -239,7 +219,7 @@ class Allocator(RunningBook):
         out: list[Pending] = []
         ahead: list[Pending] = []
         for pending in self.held():
-            seen = self._assess(pending.req, ahead)
+            seen = self.book.assess(pending.req, ahead)
             if seen.verdict is not Verdict.FITS:
                 pending.reason = seen.why
                 ahead.append(pending)
@@ -258,11 +238,11 @@ class Allocator(RunningBook):
         that keeps starting and finishing alike jobs sees only a few keys and a
         cache keyed on it (the subscription) stays hot.
         """
-        return self._shape_now(), bool(self._held)
+        return self.book.shape_now(), bool(self._held)
 
     def preemptible_capacity(self, above_band: str) -> FreeCapacity:
         """Free capacity plus what `above_band` may preempt (same rule as `victims`)."""
-        return self._capacity_view(self._candidates(above_band))
+        return self.book.capacity_view(self._candidates(above_band))
 
     def victims(self, req: MLRequirements, band: str) -> list[Allocation] | None:
         """A minimal set of jobs to preempt so that `req` fits ([] if it fits now).
@@ -270,11 +250,12 @@ class Allocator(RunningBook):
         None when the request can never run here or no allowed set makes room.
         The policy (lowest band, newest first, then pruning) is in `policy`.
         """
-        if self._assess(req, ()).verdict is Verdict.NEVER:
+        book = self.book
+        if book.assess(req, ()).verdict is Verdict.NEVER:
             return None
 
         def fits(released: Sequence[Allocation]) -> bool:
-            return self._assess(req, (), released).verdict is Verdict.FITS
+            return book.assess(req, (), released).verdict is Verdict.FITS
 
         return choose_victims(self._candidates(band), fits)
 
@@ -292,26 +273,29 @@ class Allocator(RunningBook):
 
     def snapshot(self) -> dict[str, Any]:
         """JSON-able state for `celery inspect stats`, Flower and `celery ojs-ml status`."""
-        owners = {i: a.task_id for a in self.allocations() for i in a.devices}
+        book = self.book
+        owners = {i: a.task_id for a in book.allocations() for i in a.devices}
         snap = {
-            "capacity": _counts(self._total),
-            "free": _counts(self._free(())),
+            "capacity": _counts(book.total),
+            "free": _counts(book.free_after(())),
             "devices": {str(i): owners.get(i) for i in range(self._caps.gpu_count)},
-            "allocations": [a.as_dict() for a in self.allocations()],
+            "allocations": [a.as_dict() for a in book.allocations()],
             "held": [p.as_dict() for p in self.held()],
         }
-        if self._pools:  # only while any is held: the heartbeat stays as small as before
-            snap["reservations"] = {rid: _counts(d) for rid, d in self._pools.items()}
-        if self._ledger is not None:  # sharing on: the scheduler's per-device fit reads it
-            snap["gpu_free_milli"] = list(self.gpu_free_milli())
+        pools = book.pools
+        if pools:  # only while any is held: the heartbeat stays as small as before
+            snap["reservations"] = {rid: _counts(d) for rid, d in pools.items()}
+        if book.sharing:  # sharing on: the scheduler's per-device fit reads it
+            snap["gpu_free_milli"] = list(book.gpu_free_milli())
         if self._peers is not None:  # the scheduler places NVLink jobs on free islands
-            free = set(range(self._caps.gpu_count)) - self._taken(())
+            free = set(range(self._caps.gpu_count)) - book.taken(())
             snap["nvlink_free"] = largest_peer_set(free, self._peers)
         return snap
 
     def _check_new(self, key: Hashable) -> None:
-        if key in self._running or key in self._held:
-            state = "running" if key in self._running else "held"
+        running = self.book.get(key) is not None
+        if running or key in self._held:
+            state = "running" if running else "held"
             raise AllocatorError(
                 f"key {key!r} is already {state}; free() or cancel() it before allocating "
                 "again (RFC 27: one alloc request per job)"
@@ -323,19 +307,6 @@ class Allocator(RunningBook):
     def _candidates(self, band: str) -> list[Allocation]:
         allow = self._allow_on_demand
         return [a for a in self.allocations() if is_victim(a, band, allow_on_demand=allow)]
-
-    def _devices(
-        self, req: MLRequirements, want: Demand, prefer: Sequence[Sequence[int]]
-    ) -> tuple[tuple[int, ...], int]:
-        """The devices a job takes (`allocator.choice`) and its milli (0: whole GPUs)."""
-        milli = share_milli(req, self._caps) if self._ledger is not None else None
-        if milli is not None:
-            return (share_device(self.gpu_free_milli(), milli, prefer),), milli
-        peers = self._peers if wants_peers(req, self._peers) else None
-        found = choose_whole(self._caps.gpu_count, self._taken(()), want.gpus, prefer, peers)
-        if found is None:
-            raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
-        return found, 0
 
     def _start(self, p: Pending) -> Allocation:
         return self._commit(p.key, p.task_id, p.req, p.band, p.labels)
@@ -349,11 +320,12 @@ class Allocator(RunningBook):
         labels: Mapping[str, str],
         prefer: Sequence[Sequence[int]] = (),
     ) -> Allocation:
+        book = self.book
         want = Demand.of(req)
-        pool = pool_of(req.ext_ml_reservation_id, self._pools)
-        if want.short_of(self._free_in(pool, ()) if pool else self._free(())):
+        pool = pool_of(req.ext_ml_reservation_id, book.pools)
+        if want.short_of(book.free_in(pool, ()) if pool else book.free_after(())):
             raise AllocatorError(f"task {task_id} does not fit; refusing to overcommit")
-        devices, milli = self._devices(req, want, prefer)
+        devices, milli = book.devices_for(req, want, prefer)
         alloc = Allocation(
             key,
             task_id,
@@ -366,11 +338,7 @@ class Allocator(RunningBook):
             self._clock(),
             milli,
         )
-        if self._ledger is not None:  # refuses to oversubscribe a device (invariant 1)
-            self._ledger.take_job(key, devices, milli)
-        job = self._running[key] = RunningJob(alloc, dict(labels), pool)
-        self._shapes[job.shape] = self._shapes.get(job.shape, 0) + 1
-        self._shape = self._free_now = None
+        book.add(key, RunningJob(alloc, dict(labels), pool))
         return alloc
 
 

@@ -21,6 +21,7 @@ Key decisions:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import RESOURCE_NAMES, Allocation, Demand, Pending, rank
@@ -28,6 +29,7 @@ from celery_ojs_ml.matching import Reason, Verdict
 from celery_ojs_ml.matching.filters import fmt
 from celery_ojs_ml.spec.resources import MLRequirements
 
+V = TypeVar("V")
 NEVER = "never"
 """The `ext_mlx_scheduling_preemption_policy` that exempts a job from preemption."""
 
@@ -116,8 +118,14 @@ def choose_victims(
     candidates: Sequence[Allocation], fits: Callable[[Sequence[Allocation]], bool]
 ) -> list[Allocation] | None:
     """A minimal victim set in policy order (see module doc), or None if none suffices."""
-    ordered = sorted(candidates, key=lambda a: (rank(a.band), -a.started_at))
-    chosen: list[Allocation] = []
+    return minimal_set(sorted(candidates, key=lambda a: (rank(a.band), -a.started_at)), fits)
+
+
+def minimal_set(ordered: Sequence[V], fits: Callable[[Sequence[V]], bool]) -> list[V] | None:
+    """Take `ordered` until `fits`, then spare each one not needed, last taken first; None
+    if even all of them do not suffice. The worker's victims and the fleet scheduler's
+    preemption plans (`scheduler.preempt`) are both chosen by it."""
+    chosen: list[V] = []
     for candidate in ordered:
         if fits(chosen):
             break
@@ -125,7 +133,7 @@ def choose_victims(
     if not fits(chosen):
         return None
     for victim in reversed(list(chosen)):
-        rest = [a for a in chosen if a is not victim]
+        rest = [v for v in chosen if v is not victim]
         if fits(rest):
             chosen = rest
     return chosen

@@ -220,21 +220,8 @@ class Checkpointer:
         return self.settings.storage_uri
 
     def _commit(self, w: CheckpointWriter) -> CheckpointMeta:
-        try:
-            if not w.names:  # a metadata-only checkpoint still names an existing directory
-                storage.prepare_dir(w.fs, w.root)
-            meta = w.draft.model_copy(
-                update={
-                    "created_at": utc_timestamp(self._clock()),
-                    "size_bytes": w.size_bytes,
-                    "files": w.names,
-                }
-            )
-            if self._before_commit is not None:
-                self._before_commit(meta)
-        except BaseException:
-            self._abandon(w)
-            raise
+        """Phase two of a save (DESIGN decision 6): the metadata, atomically, in Redis."""
+        meta = self._final_meta(w)
         try:
             committed = records.commit(
                 self.store, meta, self.settings.max_count, lease_token=self._lease_token
@@ -256,6 +243,30 @@ class Checkpointer:
                 f"({exc}); unless it reached Redis the checkpoint does not exist for resume "
                 "(OJS ML §9.2); check the store and save again"
             ) from exc
+        self._committed(meta, committed.next_sequence, committed.queued)
+        return meta
+
+    def _final_meta(self, w: CheckpointWriter) -> CheckpointMeta:
+        """The checkpoint's metadata once its payload is written; the payload is removed
+        again when this fails (nothing was committed)."""
+        try:
+            if not w.names:  # a metadata-only checkpoint still names an existing directory
+                storage.prepare_dir(w.fs, w.root)
+            meta = w.draft.model_copy(
+                update={
+                    "created_at": utc_timestamp(self._clock()),
+                    "size_bytes": w.size_bytes,
+                    "files": w.names,
+                }
+            )
+            if self._before_commit is not None:
+                self._before_commit(meta)
+        except BaseException:
+            self._abandon(w)
+            raise
+        return meta
+
+    def _committed(self, meta: CheckpointMeta, next_sequence: int, queued: int) -> None:
         self._saves += 1
         self._last = meta
         self._last_save_at = self._clock()
@@ -263,11 +274,10 @@ class Checkpointer:
             "ojs-ml: %s committed checkpoint %s (epoch %s, step %s, %s bytes) at %s",
             *(self.job_id, meta.sequence, meta.epoch, meta.step, meta.size_bytes, meta.storage_key),
         )
-        self._next_sequence = committed.next_sequence
-        if committed.queued:
+        self._next_sequence = next_sequence
+        if queued:
             self.evict_expired()
         self._emit(SAVED, meta)
-        return meta
 
     def _abandon(self, w: CheckpointWriter) -> None:
         try:

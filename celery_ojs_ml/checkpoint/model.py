@@ -19,13 +19,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from celery_ojs_ml.errors import OJSMLError, SpecError, Violation
 from celery_ojs_ml.spec import uris
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds, normalize
+from celery_ojs_ml.wire.settings import RestoreMode
 
 STORAGE_URI = "ext_ml_checkpoint_storage_uri"
 SETTING_KEYS = (
@@ -37,8 +38,6 @@ SETTING_KEYS = (
     "ext_ml_preemption_grace_period_s",
 )
 """The attributes a job's checkpoint behaviour depends on (OJS ML §8.2, §9.1)."""
-RestoreMode = Literal["committed", "own_directory"]
-"""`ojs_ml_checkpoint_restore`: what an `ojs_last_checkpoint` header must be to be restored."""
 _URI_FIX = "use an allowed scheme, no '..', and a trailing slash, e.g. \"s3://bucket/checkpoints/\""
 
 

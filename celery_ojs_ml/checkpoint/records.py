@@ -18,11 +18,7 @@ Key decisions:
 - Only committed metadata is ever read for resume; an uploaded payload whose
   commit never happened is invisible here (§9.2 "treated as non-existent").
 
-Layout (prefix `ojs`, job id `<job>`):
-    ojs:{ml}:ckpt:<job>:seq      int     last allocated sequence number (INCR; gaps are fine)
-    ojs:{ml}:ckpt:<job>:last     string  §9.2 `last_checkpoint` JSON
-    ojs:{ml}:ckpt:<job>:history  list    committed checkpoints, oldest first (<= max_count)
-    ojs:{ml}:ckpt:<job>:expired  list    evicted checkpoints whose payload is still to delete
+The keys, and the read of the last record every side needs, are in `store.checkpoints`.
 """
 
 from __future__ import annotations
@@ -35,31 +31,10 @@ import redis
 
 from celery_ojs_ml.checkpoint.model import CheckpointMeta
 from celery_ojs_ml.checkpoint.preempt import LeaseLost
+from celery_ojs_ml.store.checkpoints import Keys, last_raw, last_raws
 from celery_ojs_ml.store.registry import OJSStore
 
-
-@dataclass(frozen=True, slots=True)
-class Keys:
-    """The Redis keys of one job's checkpoints."""
-
-    seq: str
-    last: str
-    history: str
-    expired: str
-
-    @classmethod
-    def of(cls, store: OJSStore, job_id: str) -> Keys:
-        """The keys of `job_id` in `store`."""
-        return cls(
-            seq=store.key("ckpt", job_id, "seq"),
-            last=store.key("ckpt", job_id, "last"),
-            history=store.key("ckpt", job_id, "history"),
-            expired=store.key("ckpt", job_id, "expired"),
-        )
-
-    def all(self) -> tuple[str, ...]:
-        """Every key, for deletion."""
-        return (self.seq, self.last, self.history, self.expired)
+__all__ = ["Keys", "commit", "last_checkpoint", "last_checkpoints", "next_sequence"]
 
 
 def next_sequence(store: OJSStore, job_id: str) -> int:
@@ -125,7 +100,7 @@ def _token(raw: Any) -> Any:
 
 def last_checkpoint(store: OJSStore, job_id: str) -> CheckpointMeta | None:
     """The committed `last_checkpoint` of `job_id`, or None."""
-    raw = store.client.get(Keys.of(store, job_id).last)
+    raw = last_raw(store, job_id)
     return CheckpointMeta.from_json(_bytes(raw)) if raw is not None else None
 
 
@@ -133,7 +108,7 @@ def last_checkpoints(store: OJSStore, job_ids: list[str]) -> dict[str, Checkpoin
     """`last_checkpoint` of many jobs in one round trip (the leader, every pass)."""
     if not job_ids:
         return {}
-    raws: list[Any] = store.client.mget([Keys.of(store, j).last for j in job_ids])
+    raws = last_raws(store, job_ids)
     return {
         j: CheckpointMeta.from_json(_bytes(r)) if r is not None else None
         for j, r in zip(job_ids, raws, strict=True)

@@ -29,7 +29,7 @@ from typing import Any
 from celery_ojs_ml.checkpoint import records
 from celery_ojs_ml.checkpoint.model import CheckpointMeta, CheckpointSettings, parse_meta
 from celery_ojs_ml.spec import uris
-from celery_ojs_ml.spec.normalize import Bounds
+from celery_ojs_ml.spec.bounds import Bounds
 from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger(__name__)

@@ -16,16 +16,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_ojs_ml.checkpoint.helper import Checkpointer, Emit
-from celery_ojs_ml.checkpoint.model import (
-    SETTING_KEYS,
-    STORAGE_URI,
-    CheckpointSettings,
-    RestoreMode,
-)
+from celery_ojs_ml.checkpoint.model import SETTING_KEYS, STORAGE_URI, CheckpointSettings
 from celery_ojs_ml.checkpoint.storage import storage_options_for
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.settings import RestoreMode
 
 HEADER_LAST = "ojs_last_checkpoint"
 """Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""

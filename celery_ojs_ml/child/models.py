@@ -15,10 +15,10 @@ Key decisions:
   evicted to make room for itself.
 - After each change a child writes the models it holds (and its devices) to
   the store hash `<prefix>:models:<worker>`, field = its pid. The worker's
-  heartbeat merges them into `models_loaded` (§11) and drops fields of
-  children that are gone, so the scheduler's locality term (§11.3) sees live
-  facts within a heartbeat, and the gate prefers the devices of the idle child
-  that holds the requested model.
+  heartbeat (`worker.advertising.live_models`) merges them into `models_loaded`
+  (§11) and drops fields of children that are gone, so the scheduler's
+  locality term (§11.3) sees live facts within a heartbeat, and the gate
+  prefers the devices of the idle child that holds the requested model.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -117,38 +117,3 @@ def publish(task: Any) -> None:
         store.client.hset(store.key("models", str(worker)), str(os.getpid()), json.dumps(entry))
     except Exception as exc:
         log.warning("ojs-ml: could not advertise the loaded models: %s", exc)
-
-
-def live_models(store: Any, worker: str, alive: Iterable[int]) -> dict[int, dict[str, Any]]:
-    """Each live child's entry (pid -> {devices, models}); entries of gone pids are dropped."""
-    key = store.key("models", worker)
-    found: dict[int, dict[str, Any]] = {}
-    stale = []
-    pids = set(alive)
-    for pid, raw in store.client.hgetall(key).items():
-        try:
-            n, entry = int(pid), json.loads(raw)
-        except (TypeError, ValueError):
-            stale.append(pid)
-            continue
-        if n in pids and isinstance(entry, dict):
-            found[n] = entry
-        else:
-            stale.append(pid)
-    if stale:
-        store.client.hdel(key, *stale)
-    return found
-
-
-def merged(
-    static: Iterable[Mapping[str, Any]], live: Mapping[int, Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """`models_loaded`: the static ones, then the live ones, each once."""
-    out: list[dict[str, Any]] = []
-    seen = set()
-    for m in [*static, *(m for e in live.values() for m in e.get("models") or [])]:
-        ident = (m.get("model_id"), m.get("model_version"))
-        if ident[0] and ident not in seen:
-            seen.add(ident)
-            out.append(dict(m))
-    return out

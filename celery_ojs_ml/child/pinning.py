@@ -18,7 +18,7 @@ Key decisions (research/celery-internals.md §3):
   `dlpi_adds`, about a microsecond) and reads the maps only when that changed:
   CUDA cannot initialise without loading its driver. With
   `ojs_ml_recycle_gpu_children="always"` every child runs one task
-  (`worker_max_tasks_per_child=1`); see `worker/core.py`.
+  (`worker_max_tasks_per_child=1`); see `worker/setup.py`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import logging
 import os
 from typing import Any
 
+from celery_ojs_ml.child.gang_env import restore_env, set_env
 from celery_ojs_ml.child.sharing import restore_share_env, set_share_env
-from celery_ojs_ml.worker.gangs import restore_env, set_env
-from celery_ojs_ml.worker.warm_pool import take_move
+from celery_ojs_ml.child.warm_slot import take_move
 
 log = logging.getLogger(__name__)
 CVD = "CUDA_VISIBLE_DEVICES"
@@ -178,9 +178,13 @@ def install_cuda_retirement() -> None:
 
     bpool.mem_rss = mem_rss
     bpool.warning = warning
-    # Before leaving, a child polls until the parent has read its last result, by
-    # default every 0.1 s: most retirements would sleep once. Poll every 5 ms for
-    # the same 30 s in all.
+    _poll_exit_often(bpool)
+
+
+def _poll_exit_often(bpool: Any) -> None:
+    """Before leaving, a child polls until the parent has read its last result, by
+    default every 0.1 s: most retirements would sleep once. Poll every 5 ms for the
+    same 30 s in all."""
     interval = bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL
     total = interval * bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_LIMIT
     bpool.GUARANTEE_MESSAGE_CONSUMPTION_RETRY_INTERVAL = _EXIT_POLL_S
@@ -192,7 +196,7 @@ def pin_request(request: Any) -> None:
     set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
     if request is None:
         return
-    set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (worker.gangs)
+    set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (child.gang_env)
     set_share_env(request)  # a GPU share's MPS memory limit (child.sharing)
     take_move(request)  # warm children: the job was moved onto this child's devices
     devices = getattr(request, "ojs_devices", None)

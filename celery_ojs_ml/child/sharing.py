@@ -1,7 +1,7 @@
-"""GPU sharing in the worker: the share a task runs on, and the limits a child can apply.
+"""GPU sharing in the pool child: the share a task runs on, and the limits it can apply.
 
-Responsibility: turn a share allocation (`allocator.sharing`) into what the task
-sees (`self.request.ojs_gpu_share`), and apply the limits that exist beyond the
+Responsibility: read the share the gate put in the request (`self.request.ojs_gpu_share`,
+`worker.sharing.share_info`), and apply the limits that exist beyond the
 allocator's accounting: the MPS per-client memory limit when an MPS daemon runs,
 and torch's caching-allocator cap when the task asks for it (`limit_torch_memory`).
 
@@ -19,31 +19,15 @@ import logging
 import os
 from typing import Any
 
-from celery_ojs_ml.allocator import Allocation
 from celery_ojs_ml.allocator.sharing import FULL
-from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.wire.headers import SHARE
 
 log = logging.getLogger(__name__)
 
-HEADER_SHARE = "ojs_gpu_share"
-"""Request field of a share task: {"device", "milli", "memory_gb"} (`share_info`)."""
+HEADER_SHARE = SHARE
+"""Request field of a share task: {"device", "milli", "memory_gb"} (`worker.sharing`)."""
 MPS_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_LIMIT = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
-
-
-def share_info(alloc: Allocation, req: MLRequirements, caps: Capabilities) -> dict[str, Any]:
-    """What a share task is told: its device, milli-GPU, and VRAM in GB when known.
-
-    `memory_gb` is the job's own `ext_ml_gpu_memory_gb` for a VRAM share, else
-    the fraction of the device's VRAM (None when the worker does not know it).
-    """
-    device_gb = caps.gpu.memory_gb if caps.gpu else None
-    if req.ojs_ml_gpu_share is True:
-        memory_gb = req.ext_ml_gpu_memory_gb
-    else:
-        memory_gb = None if not device_gb else round(device_gb * alloc.gpu_milli / FULL, 3)
-    return {"device": alloc.devices[0], "milli": alloc.gpu_milli, "memory_gb": memory_gb}
 
 
 def share_of(task: Any) -> dict[str, Any] | None:

@@ -10,18 +10,16 @@ The report is one JSON-able dict, so `--json` and the text view cannot disagree.
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
-from celery_ojs_ml.cli import granted, sched
+from celery_ojs_ml.capabilities import parse_capabilities
+from celery_ojs_ml.cli import queued, sched
 from celery_ojs_ml.errors import SpecError
-from celery_ojs_ml.matching.filters import FreeCapacity, fmt
+from celery_ojs_ml.matching.filters import fmt
 from celery_ojs_ml.spec.flux_rules import is_int
-from celery_ojs_ml.spec.resources import is_requirement_key
 
 if TYPE_CHECKING:  # the offline verbs share this package and should not pay for importing Celery
     from celery_ojs_ml.plugin import OJSML
@@ -54,7 +52,7 @@ def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
         errors.append(f"scheduler state unavailable: {exc}")
         scheduled = {"leader": None, "jobs": {}}
     try:
-        grants = granted.grants_part(plugin)
+        grants = queued.grants_part(plugin)
     except Exception as exc:
         errors.append(f"grants unavailable: {exc}")
         grants = []
@@ -125,27 +123,7 @@ def _labels(caps_doc: dict[str, Any]) -> dict[str, str]:
         return {}
 
 
-# -- explain: the live workers for matching, and where a task id is ------------------------
-
-
-def live_fleet(
-    plugin: OJSML, live: dict[str, dict[str, Any]] | None = None
-) -> tuple[dict[str, Capabilities], dict[str, FreeCapacity]]:
-    """The store's live workers (the router's own view) with their advertised free capacity.
-
-    `live` is `OJSStore.live_workers()` when the caller has already read it.
-    """
-    fleet: dict[str, Capabilities] = {}
-    free: dict[str, FreeCapacity] = {}
-    live = plugin.store.live_workers() if live is None else live
-    for name, entry in sorted(live.items()):
-        fleet[name] = parse_capabilities(entry["capabilities"], worker_id=name)
-        counts = entry.get("free", {}).get("free", {})
-        free[name] = FreeCapacity(
-            **{field: counts.get(key) for field, key in _FREE_FIELDS.items()},
-            tpu_chips=counts.get("tpu_chip_count") or None,
-        )
-    return fleet, free
+# -- explain: where a task id is --------------------------------------------------------------
 
 
 def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
@@ -176,67 +154,6 @@ def locate(task_id: str, report: dict[str, Any]) -> dict[str, Any]:
     return {"task_id": task_id, "state": "unknown"}
 
 
-_SCAN_LIMIT = 10_000
-"""Messages read from the head of each class queue when looking for a task id."""
-
-
-def find_queued(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
-    """A job still in a requirement-class queue of a Redis broker; None when not found.
-
-    Reads the head (the next `_SCAN_LIMIT` messages to be delivered) of every
-    registered (class, logical queue, band) queue, and judges the job against
-    the live workers that consume its logical queue, with their advertised
-    free capacity. Raises `LookupError` when the broker is not Redis (its
-    queued messages cannot be listed).
-    """
-    from celery_ojs_ml.matching import rank
-    from celery_ojs_ml.producer.routing import class_routes, queue_name
-    from celery_ojs_ml.spec.normalize import normalize
-    from celery_ojs_ml.wire.queues import PRIORITY_SUFFIXES
-
-    with plugin.app.connection_for_read() as conn:
-        if conn.transport.driver_type != "redis":
-            raise LookupError(f"the broker is {conn.transport.driver_type}, not Redis")
-        client = conn.default_channel.client
-        for cid, entry in plugin.store.classes().items():
-            for logical, band in class_routes(entry):
-                queue = queue_name(logical, cid, band)
-                for key in (queue + suffix for suffix in PRIORITY_SUFFIXES):
-                    items = client.lrange(key, -_SCAN_LIMIT, -1)  # BRPOP takes from the right
-                    for index, raw in enumerate(items):
-                        try:
-                            headers = json.loads(raw).get("headers") or {}
-                        except (ValueError, AttributeError):
-                            continue
-                        if headers.get("id") != task_id:
-                            continue
-                        attrs = {k: v for k, v in headers.items() if is_requirement_key(k)}
-                        req = normalize(attrs).requirements
-                        live = plugin.store.live_workers()
-                        workers, free = live_fleet(plugin, live)
-                        mine = {n: w for n, w in workers.items() if _consumes(live[n], logical)}
-                        return {
-                            "task_id": task_id,
-                            "state": "queued",
-                            "queue": queue,
-                            "logical_queue": logical,
-                            "band": band,
-                            "class_id": cid,
-                            "ahead": len(items) - 1 - index,
-                            "workers": [
-                                {"worker": n, **r.as_dict()} for n, r in rank(req, mine, free)
-                            ],
-                            "not_consuming": sorted(n for n in workers if n not in mine),
-                        }
-    return None
-
-
-def _consumes(entry: dict[str, Any], logical: str) -> bool:
-    """Whether a live worker consumes `logical` (True when it does not advertise its queues)."""
-    queues = (entry.get("info") or {}).get("queues")
-    return queues is None or logical in queues
-
-
 def render_location(found: dict[str, Any], now: float) -> str:
     """One line (two for waiting jobs) saying where a task is and why."""
     tid, state = found["task_id"], found["state"]
@@ -252,39 +169,12 @@ def render_location(found: dict[str, Any], now: float) -> str:
     if state == "held":
         return f"{tid} is held on {found['worker']} (band {found.get('band')}): {found['reason']}"
     if state == "queued":
-        return _render_queued(found)
+        return queued.render_queued(found)
     where = found.get("note") or "nor is it in a requirement-class queue"
     return (
         f"{tid} is unknown: no pending record, and no answering ojs-ml worker runs or holds it, "
         f"{where} (it may have finished, or never been published)"
     )
-
-
-def _render_queued(found: dict[str, Any]) -> str:
-    lines = [
-        f"{found['task_id']} is queued in {found['queue']} (band {found['band']}), "
-        f"{found['ahead']} message(s) ahead of it"
-    ]
-    rows = found["workers"]
-    fits = [r["worker"] for r in rows if r["verdict"] == "FITS"]
-    eligible = [r for r in rows if r["verdict"] != "NEVER"]
-    if fits:
-        lines.append(f"    {', '.join(fits)} can start it now; it should start within seconds")
-    elif eligible:
-        busy = "; ".join(
-            f"{r['worker']}: " + "; ".join(x["message"] for x in r["reasons"]) for r in eligible
-        )
-        lines.append(f"    it waits for capacity on an eligible worker: {busy}")
-    else:
-        lines.append(
-            f"    no live worker that consumes {found['logical_queue']!r} can run it "
-            "(see `explain FILE` for each worker's reasons)"
-        )
-    if found["not_consuming"]:
-        lines.append(
-            f"    not consuming {found['logical_queue']!r}: {', '.join(found['not_consuming'])}"
-        )
-    return "\n".join(lines)
 
 
 # -- rendering ------------------------------------------------------------------------------
@@ -302,7 +192,7 @@ def render_status(report: dict[str, Any]) -> str:
     if "scheduler" in report:  # gather() always reads it; a hand-built report may not
         blocks.append(sched.render(report["scheduler"] or {}, report["time"]))
     if report.get("grants"):
-        blocks.append(granted.render_grants(report["grants"]))
+        blocks.append(queued.render_grants(report["grants"]))
     blocks.append(_pending_block(report["pending"], report["time"]))
     blocks.extend(f"warning: {e}" for e in report["errors"])
     return "\n\n".join(blocks)

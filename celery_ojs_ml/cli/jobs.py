@@ -11,7 +11,7 @@ import json
 
 import click
 
-from celery_ojs_ml.cli.live import app_option, json_option, load_plugin
+from celery_ojs_ml.cli.app import app_option, json_option, load_plugin
 
 
 @click.command()

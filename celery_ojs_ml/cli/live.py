@@ -1,9 +1,8 @@
 """Live verbs against a running fleet: `status`, `explain TASK_ID|FILE`, `submit FILE`.
 
 Key decision: the Celery app comes from `celery -A proj ojs-ml ...` (Celery's
-`CLIContext` in `ctx.obj`) or from the verb's own `-A/--app` option, so the
-console script and the Celery sub-command behave the same; an app without the
-`OJSML` plugin is a usage error (exit 2). `explain` serves both its offline
+`CLIContext` in `ctx.obj`) or from the verb's own `-A/--app` option
+(`cli.app.load_plugin`). `explain` serves both its offline
 form (`--job --workers`, delegated unchanged to the offline verb) and the live
 one, so the verb name stays one command with one help page.
 """
@@ -11,7 +10,6 @@ one, so the verb name stays one command with one help page.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +18,9 @@ import click
 
 from celery_ojs_ml.cli import fleet as fleet_view
 from celery_ojs_ml.cli import offline, reserve, sched
-from celery_ojs_ml.cli.granted import find_granted
+from celery_ojs_ml.cli.app import app_option, json_option, load_plugin, timeout_option
 from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
+from celery_ojs_ml.cli.queued import find_granted, find_queued, live_fleet
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
 from celery_ojs_ml.matching import pending_message, rank
 from celery_ojs_ml.spec.documents import requirements_doc
@@ -29,48 +28,7 @@ from celery_ojs_ml.spec.documents import requirements_doc
 if TYPE_CHECKING:  # Celery is imported when a live verb runs, so offline verbs start fast
     from celery_ojs_ml.plugin import OJSML
 
-_NEEDS_APP = (
-    "this verb needs a Celery app with the OJSML plugin; pass it with -A, "
-    "e.g. `celery -A proj ojs-ml {verb}` or `celery-ojs-ml {verb} -A proj`"
-)
 _DOC_SUFFIXES = (".json", ".yaml", ".yml")
-
-app_option = click.option(
-    "-A",
-    "--app",
-    "app_name",
-    metavar="MODULE[:ATTR]",
-    help="The Celery app (with OJSML) when not given to `celery -A`; default $CELERY_APP.",
-)
-timeout_option = click.option(
-    "-t",
-    "--timeout",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Seconds to wait for inspect replies.",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-def load_plugin(ctx: click.Context, app_name: str | None) -> OJSML:
-    """The `OJSML` plugin of the app named by `-A`, else of `celery -A`'s app."""
-    from celery.app.utils import find_app
-
-    from celery_ojs_ml.plugin import OJSML
-
-    app = getattr(ctx.obj, "app", None)
-    if not app_name and app is None:  # `celery` itself already honours $CELERY_APP
-        app_name = os.environ.get("CELERY_APP")
-    if app_name:
-        try:
-            app = find_app(app_name)
-        except Exception as exc:
-            raise click.UsageError(f"cannot load the app {app_name!r}: {exc}", ctx) from None
-    plugin = getattr(app, "ojs_ml", None)
-    if not isinstance(plugin, OJSML):
-        raise click.UsageError(_NEEDS_APP.format(verb=ctx.info_name), ctx)
-    return plugin
 
 
 def _dump(obj: Any) -> str:
@@ -158,9 +116,7 @@ def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) ->
     found = fleet_view.locate(task_id, report)
     if found["state"] == "unknown":
         try:
-            found = (
-                find_granted(plugin, task_id) or fleet_view.find_queued(plugin, task_id) or found
-            )
+            found = find_granted(plugin, task_id) or find_queued(plugin, task_id) or found
         except LookupError as exc:  # RabbitMQ: queued messages cannot be listed
             found["note"] = f"queued messages were not searched: {exc}"
         except Exception as exc:
@@ -177,7 +133,7 @@ def _explain_file(plugin: OJSML, path: str, as_json: bool) -> None:
             click.echo(f"{path}: {v}", err=True)
         sys.exit(EXIT_INVALID)
     try:
-        workers, free = fleet_view.live_fleet(plugin)
+        workers, free = live_fleet(plugin)
     except Exception as exc:  # store down: exit 1 with the reason, not a traceback
         raise _fail("cannot read the live workers from the store", exc) from None
     ranked = rank(req, workers, free)

@@ -69,7 +69,7 @@ def _parse_options(ctx: click.Context, app_name: str | None) -> ParseOptions:
     """The app's validator options with `-A` (or under `celery -A`), else the defaults."""
     plugin: Any = getattr(getattr(ctx.obj, "app", None), "ojs_ml", None)
     if app_name:
-        from celery_ojs_ml.cli.live import load_plugin  # imports Celery: only when asked
+        from celery_ojs_ml.cli.app import load_plugin  # imports Celery: only when asked
 
         plugin = load_plugin(ctx, app_name)
     if plugin is None:

@@ -18,7 +18,7 @@ from celery_ojs_ml.errors import SpecError
 
 
 def _plugin(ctx: click.Context, app_name: str | None) -> Any:
-    from celery_ojs_ml.cli.live import load_plugin
+    from celery_ojs_ml.cli.app import load_plugin
 
     return load_plugin(ctx, app_name)
 

@@ -131,7 +131,7 @@ def _ago(since: Any, now: float) -> str:
 @click.pass_context
 def scheduler(ctx: click.Context, app_name: str | None, name: str | None) -> None:
     """Run the fleet scheduler as its own process (it leads when elected)."""
-    from celery_ojs_ml.cli.live import load_plugin
+    from celery_ojs_ml.cli.app import load_plugin
     from celery_ojs_ml.leader.loop import FleetScheduler
 
     plugin = load_plugin(ctx, app_name)
@@ -150,7 +150,7 @@ def scheduler(ctx: click.Context, app_name: str | None, name: str | None) -> Non
 @click.pass_context
 def prioritize(ctx: click.Context, task_id: str, priority: int, app_name: str | None) -> None:
     """Give a waiting job a new priority (RFC 27 prioritize); exit 1 if it is not waiting."""
-    from celery_ojs_ml.cli.live import load_plugin
+    from celery_ojs_ml.cli.app import load_plugin
 
     plugin = load_plugin(ctx, app_name)
     if not plugin.prioritize(task_id, priority):

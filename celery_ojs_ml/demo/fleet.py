@@ -36,9 +36,8 @@ from celery_ojs_ml.demo.jobs import EXAMPLES, FLEET, fleet_capabilities
 from celery_ojs_ml.demo.table import LivePrinter
 from celery_ojs_ml.demo.watch import WAITING, Row
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.producer.routing import queue_name
 from celery_ojs_ml.store.registry import OJSStore
-from celery_ojs_ml.wire.queues import PRIORITY_SUFFIXES
+from celery_ojs_ml.wire.queues import PRIORITY_SUFFIXES, queue_name
 
 APP_MODULE = "celery_ojs_ml.demo.app"
 CONCURRENCY = {"a100@demo": 4, "l4@demo": 2, "cpu@demo": 2}

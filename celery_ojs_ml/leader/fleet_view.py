@@ -1,15 +1,12 @@
 """The live scheduler's view of the fleet: store records -> the policy core's values.
 
 Responsibility: turn pending records, live-worker heartbeats and leases into
-`PendingJob` and `WorkerState` for `scheduler.schedule`, and keep the ledger
-of assignments that a worker's last heartbeat cannot show yet.
+`PendingJob` and `WorkerState` for `scheduler.schedule`.
 
-Key decision: workers report, the scheduler decides. A worker's free
-capacity is what its gate last advertised; capacity the scheduler has
-assigned since then (a message in flight, or a job started after that
-heartbeat) is taken off by the `Ledger` until a heartbeat newer than the
-assignment's settlement shows it. The gate stays the safety net: an
-assignment that no longer fits is given back with a reason.
+Key decision: workers report, the scheduler decides. A worker's free capacity
+is what its gate last advertised, less what the leader assigned since (the
+`ledger.Ledger`) and the jobs started under a grant that its heartbeat does
+not show yet.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from celery_ojs_ml.allocator.model import Demand
@@ -29,18 +26,16 @@ from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
 from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.spec.flux_rules import is_int
 from celery_ojs_ml.spec.resources import MLRequirements
-from celery_ojs_ml.store.grants import HEADER_GRANT
-from celery_ojs_ml.store.pending import ASSIGNED, PENDING
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import job_labels
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
-"""Message headers -> requirements (the gate's `Admission.requirements`)."""
+"""Message headers -> requirements (the gate's `InboundCheck.requirements`)."""
 
-_FREE = {"gpus": "gpu_count", "cpu_cores": "cpu_cores", "memory_gb": "memory_gb"}
 _AFFINITY = ("pack", "spread", "dedicated")
 
 
-HEADER_GANG = "ojs_gang"
+HEADER_GANG = h.GANG
 """`{"id", "size", "rank"}`: the job is one rank of a gang (`OJSML.gang`, Flux node>slot)."""
 _MAX_GANG = 1024
 
@@ -84,114 +79,6 @@ def gang_of(headers: Mapping[str, Any]) -> dict[str, Any]:
     return {"gang": gid, "gang_size": size, "rank": rank}
 
 
-@dataclass
-class _Settled:
-    worker: str
-    demand: Demand
-    since: float
-    """When the scheduler last saw it still assigned (its heartbeat must be newer)."""
-    labels: Mapping[str, str] = field(default_factory=dict)
-    """The job's own labels (§7.3): other jobs' anti-affinity sees them before it runs."""
-    share: MLRequirements | None = None
-    """A GPU share's requirements: its milli-GPU are taken off the worker's devices."""
-
-
-class Ledger:
-    """Assignments whose capacity the worker's last heartbeat does not show yet."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, _Settled] = {}
-        self.counted: set[str] = set()
-        """Entries the last `used` counted (their capacity is not in a heartbeat yet)."""
-
-    def assigned(
-        self,
-        task_id: str,
-        worker: str,
-        demand: Demand,
-        now: float,
-        labels: Mapping[str, str] | None = None,
-        share: MLRequirements | None = None,
-    ) -> None:
-        """The scheduler just assigned `task_id` to `worker` (`share`: a GPU share job)."""
-        self.entries[task_id] = _Settled(worker, demand, now, dict(labels or {}), share)
-
-    def shares(self) -> dict[str, list[MLRequirements]]:
-        """Each worker's in-flight GPU shares that its heartbeat does not show (after `used`)."""
-        out: dict[str, list[MLRequirements]] = {}
-        for task_id in self.counted:
-            entry = self.entries.get(task_id)
-            if entry is not None and entry.share is not None:
-                out.setdefault(entry.worker, []).append(entry.share)
-        return out
-
-    def jobs(self) -> dict[str, int]:
-        """Each worker's in-flight jobs that its heartbeat does not show (after `used`):
-        each will take one of its pool processes."""
-        out: dict[str, int] = {}
-        for task_id in self.counted:
-            entry = self.entries.get(task_id)
-            if entry is not None:
-                out[entry.worker] = out.get(entry.worker, 0) + 1
-        return out
-
-    def labels(self) -> dict[str, list[Mapping[str, str]]]:
-        """Each worker's in-flight jobs' labels (call after `used`, which prunes)."""
-        out: dict[str, list[Mapping[str, str]]] = {}
-        for entry in self.entries.values():
-            if entry.labels:
-                out.setdefault(entry.worker, []).append(entry.labels)
-        return out
-
-    def used(
-        self,
-        records: Mapping[str, Mapping[str, Any]],
-        beats: Mapping[str, float],
-        allocated: Mapping[str, frozenset[str]],
-        now: float,
-        started_at: Callable[[list[str]], Mapping[str, float | None]] | None = None,
-    ) -> dict[str, Demand]:
-        """Capacity to take off each worker's advertised free capacity now.
-
-        An entry still assigned counts (refreshing `since`). One that left the
-        assigned state (started) counts until its worker reports it allocated,
-        or until a heartbeat newer than its start (`started_at`, the gate's
-        clock, as the heartbeat's): the job ended before that heartbeat. A
-        heartbeat newer than the last pass that saw it assigned is not enough:
-        the gate may start it after that heartbeat, which then still shows its
-        GPUs free (the leader assigned them twice and the gate gave one back).
-        Without `started_at` (or a start time), that last sighting is used.
-        """
-        used: dict[str, Demand] = {}
-        self.counted = set()
-        left: list[str] = []
-        for task_id in list(self.entries):
-            entry = self.entries[task_id]
-            record = records.get(task_id)
-            if record is not None and record.get("state") == ASSIGNED:
-                if record.get("worker") == entry.worker:
-                    entry.since = now
-            elif record is not None and record.get("state") == PENDING:
-                del self.entries[task_id]  # given or taken back
-            elif task_id not in allocated.get(entry.worker, frozenset()):
-                left.append(task_id)
-        starts = started_at(left) if left and started_at is not None else {}
-        for task_id in list(self.entries):
-            entry = self.entries[task_id]
-            shown = task_id in allocated.get(entry.worker, frozenset())
-            record = records.get(task_id)
-            still = record is not None and record.get("state") == ASSIGNED
-            since = starts.get(task_id) or entry.since
-            if not still and (shown or beats.get(entry.worker, 0.0) > since):
-                del self.entries[task_id]
-                continue
-            if shown:
-                continue
-            self.counted.add(task_id)
-            used[entry.worker] = used.get(entry.worker, Demand()).plus(entry.demand)
-        return used
-
-
 def worker_states(
     live: Mapping[str, Mapping[str, Any]],
     leases: list[dict[str, Any]],
@@ -213,41 +100,68 @@ def worker_states(
     """
     shown = allocated_ids(live) if shown is None else shown
     running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {})
-    states = []
-    for name, entry in sorted(live.items()):
-        key = name + json.dumps(entry.get("capabilities"), sort_keys=True, default=str)
-        caps = caps_memo.get(key)
-        if caps is None:
-            caps = caps_memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
-        counts = (entry.get("free") or {}).get("free") or {}
-        late = unseen.get(name, [])
-        take = Demand.total([used.get(name, Demand()), *(j.demand for j in late)])
-        milli = gpu_free_milli(entry, take.gpus, caps, (inflight_shares or {}).get(name, ()))
-        gpus = max(0, int(counts.get("gpu_count") or 0) - take.gpus)
-        free = FreeCapacity(
-            gpus=gpus if milli is None else min(gpus, len(untouched(milli))),
-            cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
-            memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
-            tpu_chips=(counts.get("tpu_chip_count") or None),
-            processes=processes_free(entry, (inflight_jobs or {}).get(name, 0) + len(late)),
-            running_labels=(
-                *(r.labels for r in running.get(name, ()) if r.labels),
-                *(inflight_labels or {}).get(name, ()),
-            ),
-        )
-        queues = (entry.get("info") or {}).get("queues")
-        states.append(
-            WorkerState(
-                name,
-                caps,
-                free,
-                frozenset(queues) if queues else frozenset({"celery"}),
-                tuple(running.get(name, ())),
-                gpu_free_milli=milli,
-                nvlink_free=nvlink_free(entry, free.gpus, sum(j.gpus for j in late)),
-            )
-        )
-    return states
+    inflight = _Inflight(used, inflight_labels or {}, inflight_shares or {}, inflight_jobs or {})
+    return [
+        _worker_state(name, entry, _caps(name, entry, caps_memo), running.get(name, []),
+                      unseen.get(name, []), inflight)
+        for name, entry in sorted(live.items())
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Inflight:
+    """What the leader assigned that the workers' heartbeats do not show (`Ledger`)."""
+
+    used: Mapping[str, Demand]
+    labels: Mapping[str, list[Mapping[str, str]]]
+    shares: Mapping[str, list[MLRequirements]]
+    jobs: Mapping[str, int]
+
+
+def _caps(name: str, entry: Mapping[str, Any], memo: LRU[str, Capabilities]) -> Capabilities:
+    """A worker's advertised capabilities, parsed once per advertisement."""
+    key = name + json.dumps(entry.get("capabilities"), sort_keys=True, default=str)
+    caps = memo.get(key)
+    if caps is None:
+        caps = memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
+    return caps
+
+
+def _worker_state(
+    name: str,
+    entry: Mapping[str, Any],
+    caps: Capabilities,
+    running: list[RunningJob],
+    late: list[RunningJob],
+    inflight: _Inflight,
+) -> WorkerState:
+    """One live worker as the core sees it; `late`: jobs started under a grant that its
+    heartbeat does not show yet (`_lease_jobs`)."""
+    counts = (entry.get("free") or {}).get("free") or {}
+    take = Demand.total([inflight.used.get(name, Demand()), *(j.demand for j in late)])
+    milli = gpu_free_milli(entry, take.gpus, caps, inflight.shares.get(name, ()))
+    gpus = max(0, int(counts.get("gpu_count") or 0) - take.gpus)
+    free = FreeCapacity(
+        gpus=gpus if milli is None else min(gpus, len(untouched(milli))),
+        cpu_cores=max(0.0, float(counts.get("cpu_cores") or 0) - float(take.cpu_cores)),
+        memory_gb=max(0.0, float(counts.get("memory_gb") or 0) - float(take.memory_gb)),
+        tpu_chips=(counts.get("tpu_chip_count") or None),
+        processes=processes_free(entry, inflight.jobs.get(name, 0) + len(late)),
+        running_labels=(
+            *(r.labels for r in running if r.labels),
+            *inflight.labels.get(name, ()),
+        ),
+    )
+    queues = (entry.get("info") or {}).get("queues")
+    return WorkerState(
+        name,
+        caps,
+        free,
+        frozenset(queues) if queues else frozenset({"celery"}),
+        tuple(running),
+        gpu_free_milli=milli,
+        nvlink_free=nvlink_free(entry, free.gpus, sum(j.gpus for j in late)),
+    )
 
 
 def processes_free(entry: Mapping[str, Any], inflight: int) -> int | None:
@@ -309,7 +223,7 @@ def _lease_jobs(
         hidden = _unshown(lease, live, shown)
         if hidden and _started_before(lease, live[worker]):
             job = dataclasses.replace(job, ended=True)
-        elif hidden and (lease.get("headers") or {}).get(HEADER_GRANT):
+        elif hidden and (lease.get("headers") or {}).get(h.GRANT):
             unseen.setdefault(worker, []).append(job)
         running.setdefault(worker, []).append(job)
     return running, unseen

@@ -1,40 +1,40 @@
 """What a scheduling pass reads and prepares before the policy core runs.
 
-A mixin of `scheduling.FleetScheduler`, split out of it to keep modules small;
-every attribute below is set by `FleetScheduler.__init__`.
-
-Key decisions (see `scheduling`'s module doc):
+Key decisions:
 * An assignment whose worker left, or that was not started within
   `ojs_ml_assignment_timeout_s`, is taken back (fenced by its token); one the
   result backend shows revoked or ended is cancelled instead.
 * A job given or taken back sits out `_RETURN_BACKOFF_S` before it is assigned
   again, so a job the leader's view and a gate disagree on cannot bounce
   between them on every pass.
+* Between full passes only the window's jobs are decided (`scheduler.window`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
+from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.checkpoint.records import last_checkpoints
-from celery_ojs_ml.leader.budget_holds import BudgetHold, budget_inflight
-from celery_ojs_ml.leader.fleet_view import Ledger, pending_job
-from celery_ojs_ml.leader.pass_reads import read_pass
-from celery_ojs_ml.leader.pending_view import PendingView
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.scheduler import PendingJob, Policy, in_order
+from celery_ojs_ml.scheduler import PendingJob, Policy, WorkerState, in_order
 from celery_ojs_ml.scheduler.window import Window
-from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store.leases import LeaseBook
 from celery_ojs_ml.store.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.store.reservations import ReservationBook
-from celery_ojs_ml.wire.settings import OJSMLSettings
+
+from .fleet_view import allocated_ids, pending_job, worker_states
+from .ledger import Ledger
+from .parsing import Parser
+from .pass_reads import read_pass
+from .pass_state import PassState
+from .pending_view import PendingView
 
 log = logging.getLogger("celery_ojs_ml.leader.loop")
 
@@ -49,42 +49,72 @@ _WINDOW_PER_DEPTH = 4
 """The window (`scheduler.window`) holds this many times `ojs_ml_queue_depth` jobs."""
 
 
+class Admitting(Protocol):
+    """What the first reads need of the intake (`Intake`)."""
+
+    arrivals: list[Any]
+    late: bool
+
+    def admit(self) -> None: ...
+
+    def admission(self, pipe: Any) -> Callable[[Any], None] | None: ...
+
+
 class PassInputs:
-    """The first reads, take-backs, waiting jobs and budget use of a pass (see module doc)."""
+    """The first reads, take-backs, waiting jobs and fleet of a pass (see module doc)."""
 
-    app: Any
-    settings: OJSMLSettings
-    store: OJSStore
-    book: PendingBook
-    view: PendingView
-    leases: LeaseBook
-    reservations: ReservationBook
-    policy: Policy
-    _holds: dict[str, BudgetHold]
-    _prefetched: dict[str, str]
-    ledger: Ledger
-    _starts: dict[str, float | None]
-    _intake: list[Any]
-    _admitted_late: bool
-    _admit: Callable[[], None]
-    _admission: Callable[[Any], Callable[[Any], None] | None]
-    _jobs: LRU[tuple[str, str, str], PendingJob | None]
-    _full_pass_at: float
-    _full_cost_s: float
-    _deciding_all: bool
-    _window: Window | None
-    _fresh: set[str] | None
-    _dirty: bool
-    parse: Callable[[Any], MLRequirements | None]
-    _quiet: Callable[[dict[str, Any], list[Any]], None]
+    def __init__(
+        self,
+        app: Any,
+        settings: Any,
+        store: OJSStore,
+        book: PendingBook,
+        reservations: ReservationBook,
+        ledger: Ledger,
+        policy: Policy,
+        parser: Parser,
+        intake: Admitting,
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.store = store
+        self.book = book
+        self.view = PendingView(book)
+        book.on_admit = self.view.put
+        self.leases = LeaseBook(store, settings.lease_ttl_s)
+        self.reservations = reservations
+        self.ledger = ledger
+        self.policy = policy
+        self.parser = parser
+        self.intake = intake
+        self.caps: LRU[str, Capabilities] = LRU(4096)
+        self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
+        """Parsed waiting jobs by (task id, admitted at, priority) (`job`)."""
+        self._starts: dict[str, float | None] = {}
+        self._full_pass_at = -1e9
+        self._full_cost_s = 0.0
+        self.deciding_all = True
+        """Whether the pass decides every waiting job (`pass_policy`)."""
+        self._window: Window | None = None
+        """The first jobs in order at the last complete ordering (`scheduler.window`)."""
+        self._fresh: set[str] | None = set()
+        """Jobs whose record changed since the window was made; None: no change marks."""
 
-    def _first_reads(self) -> tuple[dict[str, Any], bool, dict[str, Any], list[Any]] | None:
+    def hello(self) -> None:
+        """A new leadership (RFC 27 hello): the first pass reads the whole pending set
+        and decides every job in it."""
+        self._full_pass_at = -1e9
+        self.view.reset()
+
+    def first_reads(self, state: PassState) -> bool:
         """Records, whether reservations exist, live workers and leases, in one round trip
-        where the store runs Lua (`pass_reads`); None when nothing waits or is reserved."""
+        where the store runs Lua (`pass_reads`), into `state`; False when nothing waits
+        or is reserved (`state.quiet`: and the reads saw the fleet exactly)."""
         assigned = list(self.ledger.entries)
         reads = read_pass(
-            self.store, self.book, self.leases, self.reservations.key, assigned, self._admission
-        )
+            self.store, self.book, self.leases, self.reservations.key, assigned,
+            self.intake.admission,
+        )  # fmt: skip
         self._starts = {} if reads is None else reads.started
         if reads is None or self._fresh is None:  # no change marks: no window
             self._fresh = None if reads is None else set(reads.changed)
@@ -93,32 +123,32 @@ class PassInputs:
         # Jobs admitted after the reads (not with them: no Lua, or the script was not
         # loaded yet) are not in them: pass again at once, and this pass's fleet is no
         # quiet one for the lane, or the next arrival would go ahead of them.
-        late, self._admitted_late = self._admitted_late, False
-        if self._intake:
-            self._admit()
+        late, self.intake.late = self.intake.late, False
+        if self.intake.arrivals:
+            self.intake.admit()
             late = late or reads is not None
-        self._dirty = self._dirty or late
+        state.dirty |= late
         if reads is None:  # no Lua on the store: one read after another
-            records, reserving = self.view.records(), self._any_reservations()
+            state.records, state.reserving = self.view.records(), self._any_reservations()
         else:
-            records, reserving = self.view.records((reads.index, reads.changed)), reads.reserving
-        if not records and not reserving:
-            if reads is not None and not late:
-                self._quiet(reads.workers, reads.leases)
-            return None
+            state.records = self.view.records((reads.index, reads.changed))
+            state.reserving, state.live, state.leases = reads.reserving, reads.workers, reads.leases
+        if not state.records and not state.reserving:
+            state.quiet = reads is not None and not late
+            return False
         if reads is None:
-            return records, reserving, self.store.live_workers(), self.leases.all()
-        return records, reserving, reads.workers, reads.leases
+            state.live, state.leases = self.store.live_workers(), self.leases.all()
+        return True
 
-    def _pass_policy(self) -> Policy:
+    def pass_policy(self) -> Policy:
         """The full policy every `ojs_ml_full_pass_s` (or every `_FULL_PASS_SHARE` times
         the last full pass's cost, when longer: a full pass over a backlog of 10,000 jobs
         takes a good part of a second); between, only the first `ojs_ml_queue_depth`
         jobs in order are decided (`scheduler.core._ordered`)."""
         at = time.monotonic()
         every = max(self.settings.full_pass_s, _FULL_PASS_SHARE * self._full_cost_s)
-        self._deciding_all = at - self._full_pass_at >= every
-        if self._deciding_all:
+        self.deciding_all = at - self._full_pass_at >= every
+        if self.deciding_all:
             self._full_pass_at = at
             return self.policy
         # `Policy.settle` (stop early) is built and tested in the core but not used here: on
@@ -126,20 +156,26 @@ class PassInputs:
         # inference gain beyond noise in `bench/inference.py`.
         return replace(self.policy, queue_depth=self.settings.queue_depth)
 
-    def _waiting(self, records: dict[str, Any], now: float) -> list[PendingJob]:
+    def decided(self, cost_s: float) -> None:
+        """The core's time on this pass: a full pass's sets how often the next comes."""
+        if self.deciding_all:
+            self._full_cost_s = cost_s
+
+    def waiting(self, state: PassState) -> list[PendingJob]:
         """The pending records the pass decides: every one on a full pass; between, those
         the window picks (`scheduler.window`). One sitting out a give-back keeps its place
         in order, with no start before the back-off ends (`PendingJob.not_before`)."""
+        records, now = state.records, state.now
         picked = self._window_pick(records)
         items = records.items() if picked is None else ((i, records[i]) for i in picked)
         waiting: list[PendingJob] = []
         for task_id, record in items:
             if record.get("state") != "pending":
                 continue
-            job = self._pending_job(task_id, record)
+            job = self.job(task_id, record)
             if job is None:
                 continue
-            until = self._cooled_at(record)
+            until = cooled_at(record)
             waiting.append(replace(job, not_before=until) if until > now else job)
         if picked is None:
             self._window_from(waiting, records)
@@ -151,7 +187,7 @@ class PassInputs:
         window ran out)."""
         window = self._window
         depth = self.settings.queue_depth
-        if self._deciding_all or window is None or self._fresh is None:
+        if self.deciding_all or window is None or self._fresh is None:
             return None
         if len(records) <= _WINDOW_PER_DEPTH * depth:
             return None
@@ -166,7 +202,7 @@ class PassInputs:
         self._window = Window.of(in_order(waiting), records.keys(), size)
         self._fresh = set()
 
-    def _pending_job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
+    def job(self, task_id: str, record: dict[str, Any]) -> PendingJob | None:
         """The core's view of a waiting record, parsed once per admission and priority, and
         kept on the record the view holds (a record read again is a new dict)."""
         if _JOB in record:
@@ -177,7 +213,7 @@ class PassInputs:
             job = self._jobs.get(key)
         else:
             try:
-                job = pending_job(task_id, record, self.parse)
+                job = pending_job(task_id, record, self.parser.requirements)
             except Exception as exc:  # one foreign record must not stop every pass
                 log.error("ojs-ml: skipping pending job %s: %r", task_id, exc)
                 job = None
@@ -185,29 +221,19 @@ class PassInputs:
         record[_JOB] = job
         return job
 
-    def _started_at(self, task_ids: list[str]) -> dict[str, float | None]:
-        """`PendingBook.started_at`, from the pass's first reads where they show a start.
-
-        A job those reads show not started is read again: they precede the reads of the
-        changed records (`PendingView`), so a gate may have started it in between; the
-        records then show it started while the first reads have no start time, and
-        falling back to the last pass that saw it assigned would drop it from the
-        ledger before the worker's heartbeat shows it (its GPUs assigned twice)."""
-        starts = self._starts
-        found: dict[str, float | None] = {
-            t: at for t in task_ids if (at := starts.get(t)) is not None
-        }
-        missing = [t for t in task_ids if t not in found]
-        return found | self.book.started_at(missing) if missing else found
+    def started_at(self, task_ids: list[str]) -> dict[str, float | None]:
+        """`started_at` with the pass's first reads (see that function)."""
+        return started_at(self.book, self._starts, task_ids)
 
     def _any_reservations(self) -> bool:
         return bool(self.store.client.exists(self.reservations.key))
 
-    def _take_back(
-        self, records: dict[str, dict[str, Any]], live: dict[str, Any], now: float
-    ) -> None:
+    def take_back(self, state: PassState) -> None:
+        """Take back (fenced by the token) each assignment whose worker left or that was
+        not started within `ojs_ml_assignment_timeout_s`; cancel one the result backend
+        shows revoked or ended instead."""
         timeout = self.settings.assignment_timeout_s
-        for task_id, record in records.items():
+        for task_id, record in state.records.items():
             if record.get("state") != ASSIGNED:
                 continue
             worker = str(record.get("worker"))
@@ -215,42 +241,40 @@ class PassInputs:
                 float(record.get("assigned_at") or 0.0) + timeout,
                 float(record.get("hold_until") or 0.0),
             )
-            gone = worker not in live
-            if (gone or now > due) and self._finished(task_id):
+            gone = worker not in state.live
+            if not gone and state.now <= due:
+                continue
+            if self._finished(task_id):
                 self.book.cancel(task_id)  # revoked (or done) while assigned: nothing to run
                 record["state"] = "gone"
                 continue
-            if gone or now > due:
-                why = f"worker {worker} {'left' if gone else 'did not start it in time'}"
-                if self.book.take_back(task_id, str(record.get("token")), why):
-                    log.warning("ojs-ml: took back %s from %s (%s)", task_id, worker, why)
-                    record["state"] = "pending"
-                    if self._fresh is not None:
-                        self._fresh.add(task_id)
-                    self._dirty = True
+            why = f"worker {worker} {'left' if gone else 'did not start it in time'}"
+            if self.book.take_back(task_id, str(record.get("token")), why):
+                log.warning("ojs-ml: took back %s from %s (%s)", task_id, worker, why)
+                record["state"] = "pending"
+                if self._fresh is not None:
+                    self._fresh.add(task_id)
+                state.dirty = True
 
-    def _checkpoints(self, leases: list[dict[str, Any]]) -> dict[str, float]:
-        """When each running checkpointing job last committed a checkpoint (OJS ML §9),
-        read in one round trip for all of them."""
-        ids = [
-            str(lease.get("task_id"))
-            for lease in leases
-            if (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled")
-        ]
-        try:
-            metas = last_checkpoints(self.store, ids)
-        except Exception as exc:
-            log.debug("ojs-ml: no checkpoint times: %s", exc)
-            return {}
-        found: dict[str, float] = {}
-        for task_id, meta in metas.items():
-            if meta is not None and meta.created_at:
-                try:
-                    stamp = meta.created_at.replace("Z", "+00:00")
-                    found[task_id] = datetime.fromisoformat(stamp).timestamp()
-                except ValueError as exc:
-                    log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
-        return found
+    def fleet(
+        self, records: dict[str, Any], live: dict[str, Any], leases: list[Any], now: float
+    ) -> list[WorkerState]:
+        """The core's view of the live workers: reports, leases, assignments in flight."""
+        beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
+        shown = allocated_ids(live)
+        used = self.ledger.used(records, beats, shown, now, self.started_at)
+        return worker_states(
+            live,
+            leases,
+            used,
+            self.parser.running,
+            self.caps,
+            checkpoint_times(self.store, leases),
+            self.ledger.labels(),
+            self.ledger.shares(),
+            self.ledger.jobs(),
+            shown,
+        )
 
     def _finished(self, task_id: str) -> bool:
         """Whether the result backend says the job was revoked or already ended."""
@@ -261,18 +285,48 @@ class PassInputs:
         except Exception:
             return False
 
-    @staticmethod
-    def _cooled_at(record: dict[str, Any]) -> float:
-        """When a job just given or taken back may start again: it sits out
-        `_RETURN_BACKOFF_S`, so a job the leader's view and a gate disagree on cannot
-        bounce between them on every pass."""
-        return float(record.get("returned_at") or 0.0) + _RETURN_BACKOFF_S
 
-    def _inflight(
-        self, records: dict[str, dict[str, Any]], leases: list[dict[str, Any]], live: Any
-    ) -> list[tuple[str, int]]:
-        """Budget use of assignments not yet running, by task id (§10.3); jobs waiting
-        ahead at a gate (`_prefetched`) hold nothing yet."""
-        gone = [t for t in self._holds if t not in records]
-        started = self.book.started_at(gone) if gone else {}
-        return budget_inflight(self._holds, records, leases, live, started, self._prefetched)
+def cooled_at(record: Mapping[str, Any]) -> float:
+    """When a job just given or taken back may start again: it sits out
+    `_RETURN_BACKOFF_S`, so a job the leader's view and a gate disagree on cannot
+    bounce between them on every pass."""
+    return float(record.get("returned_at") or 0.0) + _RETURN_BACKOFF_S
+
+
+def started_at(
+    book: PendingBook, starts: Mapping[str, float | None], task_ids: list[str]
+) -> dict[str, float | None]:
+    """`PendingBook.started_at`, from the pass's first reads (`starts`) where they show one.
+
+    A job those reads show not started is read again: they precede the reads of the
+    changed records (`PendingView`), so a gate may have started it in between; the
+    records then show it started while the first reads have no start time, and
+    falling back to the last pass that saw it assigned would drop it from the
+    ledger before the worker's heartbeat shows it (its GPUs assigned twice)."""
+    found: dict[str, float | None] = {t: at for t in task_ids if (at := starts.get(t)) is not None}
+    missing = [t for t in task_ids if t not in found]
+    return found | book.started_at(missing) if missing else found
+
+
+def checkpoint_times(store: OJSStore, leases: list[dict[str, Any]]) -> dict[str, float]:
+    """When each running checkpointing job last committed a checkpoint (OJS ML §9),
+    read in one round trip for all of them."""
+    ids = [
+        str(lease.get("task_id"))
+        for lease in leases
+        if (lease.get("headers") or {}).get("ext_ml_checkpoint_enabled")
+    ]
+    try:
+        metas = last_checkpoints(store, ids)
+    except Exception as exc:
+        log.debug("ojs-ml: no checkpoint times: %s", exc)
+        return {}
+    found: dict[str, float] = {}
+    for task_id, meta in metas.items():
+        if meta is not None and meta.created_at:
+            try:
+                stamp = meta.created_at.replace("Z", "+00:00")
+                found[task_id] = datetime.fromisoformat(stamp).timestamp()
+            except ValueError as exc:
+                log.debug("ojs-ml: no checkpoint time for %s: %s", task_id, exc)
+    return found

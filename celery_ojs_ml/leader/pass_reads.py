@@ -1,18 +1,13 @@
 """The reads every leader pass starts with, in one round trip.
 
 Key decision: the pending set's index and change marks, whether any
-reservation exists, the live workers and the leases are independent reads; each
-was a round trip of its own, one after the other, at the start of every pass.
-Here they go out as one pipeline. The change marks are popped with `SPOP` rather
-than taken with `SMEMBERS` and `DEL` in a transaction: every record is read
-after the pop, so a change made after it is marked again and read next pass,
-and one made before it is read now. The start times of the jobs the leader
-assigned and has not seen running yet (`fleet_view.Ledger.used` asks for them)
-are read in the same pipeline, before the pass knows which it needs: a handful
-of `HMGET`s instead of a round trip. Where the store runs no Lua (fakeredis in
-the embedded demo) `read_pass` returns None and the pass reads one by one; where
-the server does not hold the script (its first use, a restart) the workers and
-leases are read again one by one, which loads it for the next pass.
+reservation exists, the live workers, the leases and the start times of the
+jobs the ledger holds are independent reads; they go out as one pipeline.
+The change marks are popped with `SPOP`: every record is read after the pop,
+so a change made after it is marked again and read next pass. Where the store
+runs no Lua (fakeredis) `read_pass` returns None and the pass reads one by
+one; where the server does not hold the script (its first use, a restart) the
+workers and leases are read again one by one, which loads it.
 """
 
 from __future__ import annotations

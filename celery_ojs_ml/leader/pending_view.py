@@ -1,24 +1,14 @@
 """The leader's view of the pending set: read whole once, then only what changed.
 
-Responsibility: what `FleetScheduler` reads on every pass. The leader needs
-every waiting or assigned record on every pass; reading them all again cost a
-round trip's worth of `HMGET`s per record per pass, so under a backlog of N
-jobs each pass cost O(N) store work (half the leader's time with 400 jobs
-queued, `bench/dispatch.py`).
+Responsibility: the records a pass decides on. Reading them all on every pass
+cost O(N) store work per pass under a backlog of N jobs.
 
-Key decisions:
-- The index (admission order) is read on every pass: it says which jobs wait
-  or are assigned; a started or cancelled job leaves it.
-- A record is read again only when it is new to the view or marked changed:
-  every state change of the pending set (`PendingBook`: assign, give back,
-  take back, hold, prioritize, cancel; a start removes the job from the index)
-  adds the job's id to a set in the same transaction, and the view takes that
-  set whole, with the index, in one transaction per pass. Admissions, written
-  only by the leader, are handed to the view as written (`put`).
-- Every `FULL_EVERY_S` (longer for a pending set of more than `FULL_PER_READ`
-  records) the view reads everything again, so a change written by a path that
-  does not mark it (an older worker, a hand edit) is seen within that time; so
-  does a new leader's first pass.
+Key decisions: the index (admission order) is read on every pass; a record is
+read again only when it is new to the view or marked changed (every state
+change of the pending set marks the job in the same transaction; admissions,
+written only by the leader, are handed over as written). Every `FULL_EVERY_S`
+(longer for a large set) the view reads everything again, so a change that
+was not marked is seen within that time; so does a new leader's first pass.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """The fleet scheduler candidate in its own process (`ojs_ml_scheduler = "auto"`).
 
-Responsibility: start one `FleetScheduler` candidate per worker in a spawned
-child process, stop it with the worker, and make sure it never outlives it.
-
-Key decisions:
-- A process, not a thread: a leader thread in the worker's main process
-  competes with the gate for the GIL, and on a busy worker every socket
-  write of the main loop then waits for the scheduler's pass (measured in
-  docs/scheduling.md "Performance"). A spawned interpreter runs beside it.
-- Spawned, not forked: a fork of the worker main process would inherit the
-  pool's pipes and the broker connections. The child imports the app by its
-  module path (found by identity in `sys.modules`, so `celery -A proj` and
-  `-A proj.celery:app` both work); where no path is found, or the broker is
-  `memory://` (the embedded demo: nothing to share across processes), the
-  candidate runs as a thread instead, and the worker logs which.
-- The child dies with its worker: Linux `PR_SET_PDEATHSIG`, plus a parent-pid
-  watch where that is not available. On SIGTERM it resigns the lock, so a warm
-  shutdown hands the lead over at once instead of after the lock's TTL.
+Key decisions: a spawned process, not a thread: a leader thread in the worker's
+main process competes with the gate for the GIL (docs/scheduling.md
+"Performance"); spawned, not forked, so it inherits neither the pool's pipes
+nor the broker connections. The child imports the app by its module path;
+where none is found, or the broker is `memory://`, the candidate runs as a
+thread instead. The child dies with its worker (`PR_SET_PDEATHSIG`, plus a
+parent-pid watch) and resigns the lock on SIGTERM, so a warm shutdown hands
+the lead over at once.
 """
 
 from __future__ import annotations
@@ -81,7 +72,7 @@ class CandidateProcess:
 
 def start_candidate(app: Any, candidate: str, *, thread: bool = False) -> Any:
     """A running candidate for `app`: a process where possible, else a thread (see above)."""
-    from celery_ojs_ml.leader.loop import FleetScheduler
+    from .loop import FleetScheduler
 
     in_memory = str(app.conf.broker_url or "").startswith("memory://")
     path = None if thread or in_memory else app_path(app)
@@ -100,7 +91,7 @@ def child_main(path: str, candidate: str, parent_pid: int, level: int) -> None:
     _die_with_parent()
     module, _, attr = path.partition(":")
     app = getattr(importlib.import_module(module), attr)
-    from celery_ojs_ml.leader.loop import FleetScheduler
+    from .loop import FleetScheduler
 
     loop = FleetScheduler(app, candidate=candidate)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())

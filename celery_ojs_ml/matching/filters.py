@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.capabilities.model import GpuCapability
 from celery_ojs_ml.spec.catalogue import cc_tuple
 from celery_ojs_ml.spec.resources import AffinityRule, MLRequirements, gpu_share
 
@@ -132,12 +133,7 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
         return
     g = w.gpu
     if req.ext_ml_gpu_type and g.type != req.ext_ml_gpu_type:
-        yield _never(
-            "gpu_type",
-            req.ext_ml_gpu_type,
-            g.type,
-            "gpu_type {a} not in [{r}]",
-        )
+        yield _never("gpu_type", req.ext_ml_gpu_type, g.type, "gpu_type {a} not in [{r}]")
     mem = req.ext_ml_gpu_memory_gb
     if mem is not None and (g.memory_gb or 0) < mem:
         yield _never("gpu_memory_gb", mem, g.memory_gb, "gpu_memory_gb {a} < {r}")
@@ -145,30 +141,22 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
     if cc is not None and (
         g.compute_capability is None or cc_tuple(g.compute_capability) < cc_tuple(cc)
     ):
-        yield _never(
-            "compute_capability",
-            cc,
-            g.compute_capability,
-            "compute_capability {a} < {r}",
-        )
-    if count > 1 and req.ext_ml_gpu_interconnect == "nvlink" and g.interconnect != "nvlink":
-        yield _never(
-            "gpu_interconnect",
-            "nvlink",
-            g.interconnect,
-            "gpu_interconnect {a} != {r}",
-        )
-    elif req.ext_ml_gpu_interconnect == "nvlink" and g.nvlink_group and count > g.nvlink_group:
-        yield _never(
-            "gpu_interconnect",
-            count,
-            g.nvlink_group,
-            "gpu_interconnect: NVLink-peer GPUs {a} < {r}",
-        )
+        yield _never("compute_capability", cc, g.compute_capability, "compute_capability {a} < {r}")
+    if req.ext_ml_gpu_interconnect == "nvlink":
+        yield from _nvlink(count, g)
     # A share (`ojs_ml_gpu_share`) needs milli-GPU on one device, not a whole free GPU:
     # the allocator and the scheduler's fit check judge that per device.
     shared = gpu_share(req) is not None
     yield from _counted("gpu_count", count, w.gpu_count, free.gpus if free and not shared else None)
+
+
+def _nvlink(count: int, g: GpuCapability) -> Iterator[Reason]:
+    """§3.2 `ext_ml_gpu_interconnect: nvlink`: the GPUs must be NVLink peers."""
+    if count > 1 and g.interconnect != "nvlink":
+        yield _never("gpu_interconnect", "nvlink", g.interconnect, "gpu_interconnect {a} != {r}")
+    elif g.nvlink_group and count > g.nvlink_group:
+        why = "gpu_interconnect: NVLink-peer GPUs {a} < {r}"
+        yield _never("gpu_interconnect", count, g.nvlink_group, why)
 
 
 def tpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iterator[Reason]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kombu import Queue  # type: ignore[attr-defined]
 
@@ -23,47 +24,17 @@ from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.scheduler.grants import grant_key, grantable
 from celery_ojs_ml.spec.classes import (
-    BANDS,
     band,
     class_id,
-    hard_constraints,
     has_hard_constraints,
 )
-from celery_ojs_ml.spec.envelope import requirements_of
+from celery_ojs_ml.spec.envelope import ParseOptions, requirements_of
 from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
-from celery_ojs_ml.store.grants import HEADER_GRANT, HEADER_GRANT_AT
+from celery_ojs_ml.store.grants import GrantBook
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import HEADER_LABELS, declared_labels
-from celery_ojs_ml.wire.queues import (
-    intake_name,
-    ml_queue,
-    worker_queue_name,
-)
-
-if TYPE_CHECKING:
-    from celery_ojs_ml.plugin import OJSML
-
-HEADER_CLASS = h.CLASS
-HEADER_BAND = h.BAND
-HEADER_LOGICAL = h.LOGICAL
-HEADER_PENDING = h.PENDING
-SCHEDULER_HEADERS = h.DELIVERY
-
-
-def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The (logical queue, band) pairs of a class registry entry (`OJSStore.classes`).
-
-    A logical queue registered without bands (by an older producer) counts in every band.
-    """
-    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
-    known = {q for q, _ in routes}
-    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
-    return routes
-
-
-def queue_name(logical: str, cid: str, band_name: str) -> str:
-    """`<logical queue>.ml.<class id>.<band>`."""
-    return f"{logical}.ml.{cid}.{band_name}"
+from celery_ojs_ml.wire.queues import intake_name, ml_queue, worker_queue_name
+from celery_ojs_ml.wire.settings import OJSMLSettings
 
 
 def declared_attrs(task: Any, headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -104,11 +75,37 @@ class _Resolved:
     hard: bool
     cid: str
     band: str
-    constraints: dict[str, Any]
 
 
 _MEMO_MAX = 1024
 """Resolved declarations (and queues) a router keeps, least recently used dropped first."""
+
+
+class Publisher(Protocol):
+    """What the router asks of the app's plugin (`plugin.OJSML`) at publish."""
+
+    @property
+    def app(self) -> Any: ...
+
+    @property
+    def settings(self) -> OJSMLSettings: ...
+
+    @property
+    def parse_options(self) -> ParseOptions: ...
+
+    @property
+    def defaulted_queues(self) -> frozenset[str]: ...
+
+    @property
+    def grant_book(self) -> GrantBook: ...
+
+    def store_errors(self) -> AbstractContextManager[None]: ...
+
+    def check_reservation(self, req: MLRequirements) -> None: ...
+
+    def check_satisfiable(self, req: MLRequirements, cid: str, logical: str) -> str | None: ...
+
+    def grants_on(self, logical: str) -> bool: ...
 
 
 class MLRouter:
@@ -120,7 +117,7 @@ class MLRouter:
     the validator. Invalid declarations raise every time (they are not kept).
     """
 
-    def __init__(self, plugin: OJSML) -> None:
+    def __init__(self, plugin: Publisher) -> None:
         self.plugin = plugin
         self._memo: LRU[tuple[str, str], _Resolved] = LRU(_MEMO_MAX)
         self._queues: LRU[str, Queue] = LRU(_MEMO_MAX)
@@ -160,14 +157,8 @@ class MLRouter:
         found = self._memo.get(key)
         if found is None:
             req, mlx, _warnings = requirements_of(attrs, logical, self.plugin.parse_options)
-            hard = has_hard_constraints(req)
             found = _Resolved(
-                req,
-                {**req.flat(), **mlx},
-                hard,
-                class_id(req),
-                band(req),
-                hard_constraints(req) if hard else {},
+                req, {**req.flat(), **mlx}, has_hard_constraints(req), class_id(req), band(req)
             )
             self._memo[key] = found
         return found
@@ -179,12 +170,11 @@ class MLRouter:
         with self.plugin.store_errors():
             if found.req.ext_ml_reservation_id is not None:
                 self.plugin.check_reservation(found.req)  # before anything is written (§8.3)
-            self.plugin.register_class(cid, found.constraints, logical, band_name)
             reason = self.plugin.check_satisfiable(found.req, cid, logical)
         if reason is not None:
-            headers[HEADER_PENDING] = reason
-        headers.update({HEADER_CLASS: cid, HEADER_BAND: band_name, HEADER_LOGICAL: logical})
-        for private in SCHEDULER_HEADERS:  # a re-published copy is assigned afresh
+            headers[h.PENDING] = reason
+        headers.update({h.CLASS: cid, h.BAND: band_name, h.LOGICAL: logical})
+        for private in h.DELIVERY:  # a re-published copy is assigned afresh
             headers.pop(private, None)
         name = self._granted(found, logical, headers) or intake_name(
             self.plugin.settings.store_prefix
@@ -198,7 +188,7 @@ class MLRouter:
     def _granted(self, found: _Resolved, logical: str, headers: dict[str, Any]) -> str | None:
         """The queue of the worker holding a grant for this job's class, with the grant's
         epoch in the headers; None: the job goes to the intake (`scheduler.grants`)."""
-        if headers.get(HEADER_PENDING) or not self.plugin.grants_on(logical):
+        if headers.get(h.PENDING) or not self.plugin.grants_on(logical):
             return None
         if not grantable(
             found.req,
@@ -212,12 +202,12 @@ class MLRouter:
         if grant is None:
             return None
         worker, epoch = grant
-        headers[HEADER_GRANT] = epoch
-        headers[HEADER_GRANT_AT] = round(time.time(), 3)
+        headers[h.GRANT] = epoch
+        headers[h.GRANT_AT] = round(time.time(), 3)
         return worker_queue_name(self.plugin.settings.store_prefix, worker)
 
     def _logical_queue(self, task: Any, options: Mapping[str, Any]) -> str:
-        explicit = options.get("queue") or (options.get("headers") or {}).get(HEADER_LOGICAL)
+        explicit = options.get("queue") or (options.get("headers") or {}).get(h.LOGICAL)
         if isinstance(explicit, Queue):
             return str(explicit.name)
         if isinstance(explicit, str) and explicit:

@@ -1,45 +1,54 @@
-"""Submission of OJS documents: a mixin of `plugin.OJSML` (split out to keep modules small;
-every attribute below is `OJSML`'s).
+"""Submission of OJS documents: an envelope, a workflow or a Flux jobspec becomes Celery work.
 
 An OJS envelope becomes one Celery signature, a workflow a chain or a group of
 them, and a Flux jobspec a group of its tasks (a gang when it spreads one task
-per node over several nodes).
+per node over several nodes). Key decision: the signatures go out through the
+app's ordinary publish path, so the router validates and routes them exactly
+as it does a task called from code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery
 from celery.canvas import Signature, chain, group
 
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.producer.routing import HEADER_LOGICAL
 from celery_ojs_ml.spec.documents import parse_document
 from celery_ojs_ml.spec.envelope import Job, ParseOptions
 from celery_ojs_ml.spec.flux import FluxJob
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.spec.workflow import Workflow
+from celery_ojs_ml.wire import headers as h
+from celery_ojs_ml.wire.gangs import gang_headers
 
 
-class Submitting:
-    """`signature_for`, `submit` and `gang` (see module doc)."""
+class Submission:
+    """`signature_for`, `submit` and `gang` of one app (see module doc).
 
-    app: Celery
-    check_reservation: Callable[[MLRequirements], None]
-    if TYPE_CHECKING:
+    `parse_options` gives the validator options of the moment (the settings are
+    read lazily); `check_reservation` is the publish-time §8.3 check.
+    """
 
-        @property
-        def parse_options(self) -> ParseOptions: ...
+    def __init__(
+        self,
+        app: Celery,
+        parse_options: Callable[[], ParseOptions],
+        check_reservation: Callable[[MLRequirements], None],
+    ) -> None:
+        self.app = app
+        self._parse_options = parse_options
+        self._check_reservation = check_reservation
 
     def signature_for(self, doc: Any) -> Signature:
         """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
-        parsed = parse_document(doc, self.parse_options)
+        parsed = parse_document(doc, self._parse_options())
         if isinstance(parsed, Workflow):
             for step in parsed.steps:  # every step's reservation before any step goes out
                 if step.requirements.ext_ml_reservation_id is not None:
-                    self.check_reservation(step.requirements)
+                    self._check_reservation(step.requirements)
             sigs = [self._job_signature(step) for step in parsed.steps]
             return chain(*sigs) if parsed.workflow_type == "chain" else group(*sigs)
         if isinstance(parsed, FluxJob):
@@ -55,9 +64,9 @@ class Submitting:
             raise ConfigError('an OJS job needs a type naming the task, e.g. "type": "ml.train"')
         headers: dict[str, Any] = {**job.canonical()}
         if job.queue:
-            headers[HEADER_LOGICAL] = job.queue
+            headers[h.LOGICAL] = job.queue
         if job.last_checkpoint:
-            headers["ojs_last_checkpoint"] = job.last_checkpoint
+            headers[h.LAST_CHECKPOINT] = job.last_checkpoint
         opts: dict[str, Any] = {"headers": headers}
         if job.id:
             opts["task_id"] = job.id
@@ -67,11 +76,11 @@ class Submitting:
         name = str(flux.command[0]) if flux.command else "flux.task"
         headers: dict[str, Any] = dict(flux.slot_requirements())
         if flux.queue:
-            headers[HEADER_LOGICAL] = flux.queue
+            headers[h.LOGICAL] = flux.queue
         args = list(flux.command[1:])
         if flux.spread and (flux.nodes or 0) > 1 and flux.task_count == flux.nodes:
             # node>slot over N nodes, one task per node: a gang (all ranks or none)
-            return self._gang_group(self.app.signature(name, args=args), flux.nodes or 0, headers)
+            return gang_group(self.app.signature(name, args=args), flux.nodes or 0, headers)
         return group(
             self.app.signature(name, args=args, options={"headers": dict(headers)})
             for _ in range(flux.task_count)
@@ -84,15 +93,15 @@ class Submitting:
         `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK` and `LOCAL_RANK` set
         (torch.distributed `env://`). Returns the group's `GroupResult`.
         """
-        return self._gang_group(sig, size, {}).apply_async()
+        return gang_group(sig, size, {}).apply_async()
 
-    def _gang_group(self, sig: Signature, size: int, extra: dict[str, Any]) -> Signature:
-        from celery_ojs_ml.worker.gangs import gang_headers
 
-        ranks = []
-        for headers in gang_headers(size):
-            rank = sig.clone()
-            merged = {**(rank.options.get("headers") or {}), **extra, **headers}
-            rank.set(headers=merged)
-            ranks.append(rank)
-        return group(ranks)
+def gang_group(sig: Signature, size: int, extra: dict[str, Any]) -> Signature:
+    """A group of `size` clones of `sig`, each with its rank's gang headers and `extra`."""
+    ranks = []
+    for headers in gang_headers(size):
+        rank = sig.clone()
+        merged = {**(rank.options.get("headers") or {}), **extra, **headers}
+        rank.set(headers=merged)
+        ranks.append(rank)
+    return group(ranks)

@@ -1,33 +1,21 @@
 """`schedule(pending, fleet, now)`: one pass of the fleet policy, pure and clock-injected.
 
-Key decision: jobs are decided one at a time in fleet order, each against the
-fleet as the jobs before it left it, with four outcomes tried in turn:
-
-1. **start now** on the best-scoring worker where it fits and, on a reserved
-   worker, only if it leaves the reservation its capacity (backfill);
-2. **preempt** lower-band work (only when it fits nowhere now);
-3. **reserve** the worker where it can start soonest, for the first
-   `reservation_depth` jobs that get this far, so nothing behind them can
-   delay their start (Slurm's reservation plus backfill);
-4. **estimate** its start for everyone else, as a shadow reservation that
-   later estimates respect but backfill does not.
-
-With `Policy.queue_depth` a pass decides only the first that many jobs in
-order (Slurm's default_queue_depth: the live leader's passes between full
-ones). Every job left out is ordered after every job decided, and a decision
-depends only on the jobs before it (the workload estimate is taken over all of
-them), so the jobs decided get exactly the decisions of a full pass; the rest
-wait, unannotated, for a pass that goes deeper.
-
-The pass keeps nothing: the next one recomputes reservations from the fleet
-it is given. `Planner` is the same pass one job at a time, for callers that
-stop early or time each decision (the benchmark).
+Key decision: jobs are decided one at a time in fleet order, each against the fleet
+as the jobs before it left it, with four outcomes tried in turn: **start now** on the
+best-scoring worker where it fits (on a reserved worker only if it leaves the
+reservation its capacity: backfill); **preempt** lower-band work (only when it fits
+nowhere now); **reserve** the worker where it can start soonest, for the first
+`reservation_depth` jobs that get this far (Slurm's reservation plus backfill);
+**estimate** its start for everyone else (a shadow reservation backfill ignores).
+With `Policy.queue_depth` a pass decides only the first that many jobs, with exactly
+the decisions of a full pass; the rest wait for a deeper one. The pass keeps nothing;
+`Planner` is the same pass one job at a time (for callers that stop early or time it).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from celery_ojs_ml.allocator.model import rank
@@ -38,7 +26,7 @@ from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fair import fair_order, held_gpus, holdings
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.frag import Kind, kind_of
-from celery_ojs_ml.scheduler.gang import place_gangs
+from celery_ojs_ml.scheduler.gang import Ganged, place_gangs
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
     Annotation,
@@ -83,8 +71,7 @@ def schedule(
 
     `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
     running jobs; they count against their queue's budget (§10.3) and its
-    fair share. `pools`:
-    the dynamic reservations (§8.3); see `scheduler.pools`.
+    fair share. `pools`: the dynamic reservations (§8.3); see `scheduler.pools`.
     """
     jobs, raised = escalate_all(pending, now)
     held = {p.rid: p for p in pools}
@@ -104,7 +91,19 @@ def schedule(
         if planner.settled(job):
             break  # this job and every one after it can only wait (`Policy.settle`)
         planner.decide(job)
-    decision = planner.decision()
+    return _merged(planner.decision(), ganged, jobs, held, fleet, now)
+
+
+def _merged(
+    decision: Decision,
+    ganged: Ganged,
+    jobs: Sequence[PendingJob],
+    held: Mapping[str, ReservationPool],
+    fleet: Sequence[WorkerState],
+    now: float,
+) -> Decision:
+    """The general jobs' decision with the gangs placed first and the jobs inside the
+    reservations (§8.3) placed in their pools."""
     inside = [
         j
         for j in jobs

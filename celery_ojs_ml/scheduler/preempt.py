@@ -20,10 +20,11 @@ Key decisions:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from celery_ojs_ml.allocator.model import rank
+from celery_ojs_ml.allocator.policy import minimal_set
 from celery_ojs_ml.matching import Verdict, match
 from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.model import Policy, RunningJob
@@ -65,24 +66,6 @@ def lost_work_s(victim: RunningJob, now: float) -> float:
 def victim_order(victim: RunningJob, now: float) -> tuple[int, float, int, str]:
     """Lowest band, then least progress lost, then fewest GPUs (then task id)."""
     return (rank(victim.band), lost_work_s(victim, now), victim.gpus, victim.task_id)
-
-
-def minimal_victims(
-    ordered: Sequence[RunningJob], fits: Callable[[Sequence[RunningJob]], bool]
-) -> list[RunningJob] | None:
-    """Take `ordered` until `fits`, then spare each one not needed; None if none suffices."""
-    chosen: list[RunningJob] = []
-    for candidate in ordered:
-        if fits(chosen):
-            break
-        chosen.append(candidate)
-    if not fits(chosen):
-        return None
-    for victim in reversed(list(chosen)):
-        rest = [v for v in chosen if v is not victim]
-        if fits(rest):
-            chosen = rest
-    return chosen
 
 
 def plan_cost(victims: Sequence[RunningJob], now: float, slot: Slot) -> Cost:
@@ -163,7 +146,7 @@ class Preemptor:
         want = finite(slot.capacity) if ask.dedicated else ask.want
         if not candidates or not covers(_freed(slot.free, candidates), want):
             return None
-        victims = minimal_victims(candidates, lambda vs: self._fits(ask, slot, vs, want))
+        victims = minimal_set(candidates, lambda vs: self._fits(ask, slot, vs, want))
         if not victims:
             return None
         return Plan(slot, tuple(victims), plan_cost(victims, self.view.now, slot))

@@ -27,7 +27,7 @@ from celery_ojs_ml.spec.rules_sections import fix_for as fix_for
 from celery_ojs_ml.spec.rules_sections import section_of as section_of
 
 if TYPE_CHECKING:
-    from celery_ojs_ml.spec.normalize import Bounds
+    from celery_ojs_ml.spec.bounds import Bounds
 
 _GPU_DETAIL = ("ext_ml_gpu_type", "ext_ml_gpu_memory_gb", "ext_ml_gpu_compute_capability")
 _CHECKSUM_HEX = {

@@ -15,7 +15,7 @@ from celery_ojs_ml.spec.resources import AffinityRule, AffinitySpec, MLRequireme
 from celery_ojs_ml.spec.rules_sections import section_of
 
 if TYPE_CHECKING:
-    from celery_ojs_ml.spec.normalize import Bounds
+    from celery_ojs_ml.spec.bounds import Bounds
 
 _NUMERIC_OPS = frozenset({"Gt", "Gte", "Lt", "Lte"})
 _VALUELESS_OPS = frozenset({"Exists", "DoesNotExist"})

@@ -16,7 +16,7 @@ from celery_ojs_ml.errors import Violation
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 if TYPE_CHECKING:
-    from celery_ojs_ml.spec.normalize import Bounds
+    from celery_ojs_ml.spec.bounds import Bounds
 
 KEY = "ojs_ml_gpu_share"
 SECTION = "celery-ojs-ml GPU sharing, docs/sharing.md"

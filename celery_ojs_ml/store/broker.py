@@ -250,6 +250,24 @@ def envelope(
     return str(key), str(dumps(message)).encode()  # type: ignore[no-untyped-call]
 
 
+def send_wake(app: Any, worker: str) -> None:
+    """Tell the scheduler that `worker` freed capacity: a wake-up published on the intake
+    queue through kombu (where `wake_list` is None, or from outside a worker)."""
+    from celery_ojs_ml.wire.queues import intake_name, ml_queue
+
+    name = intake_name(app.ojs_ml.settings.store_prefix)
+    with app.producer_or_acquire() as producer:
+        producer.publish(
+            {"worker": worker},
+            exchange=name,
+            routing_key=name,
+            headers={WAKE_HEADER: worker},
+            declare=[ml_queue(name)],
+            serializer="json",
+            retry=False,
+        )
+
+
 def wake_message(worker: str) -> bytes:
     """A wake-up as kombu's Redis transport stores a message on a list (`IntakeMessage`)."""
     doc = {

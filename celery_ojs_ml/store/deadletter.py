@@ -14,22 +14,12 @@ from typing import Any
 
 from celery import Celery
 
+from celery_ojs_ml.store.checkpoints import last_checkpoint_of
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.records import republish_headers
 
 log = logging.getLogger(__name__)
-
-
-def last_checkpoint_of(store: OJSStore, task_id: str) -> dict[str, Any] | None:
-    """The committed last checkpoint of a job as a JSON-able dict, or None."""
-    try:
-        from celery_ojs_ml.checkpoint import last_checkpoint
-    except ImportError:  # the checkpoint package is optional at this layer
-        return None
-    meta = last_checkpoint(store, task_id)
-    if meta is None:
-        return None
-    dump = getattr(meta, "model_dump", None)
-    return dict(dump(mode="json")) if dump else dict(meta)
+__all__ = ["dead_jobs", "dead_letter", "last_checkpoint_of", "republish_request", "retry_dead"]
 
 
 def republish_request(
@@ -38,8 +28,6 @@ def republish_request(
     """Re-publish a worker's request under the same id and retries, with its last committed
     checkpoint and updated counters (`ojs_preemptions`, `ojs_crashes`); returns that
     checkpoint (None: none committed)."""
-    from celery_ojs_ml.store.leases import republish_headers
-
     headers = req.request_dict
     checkpoint = last_checkpoint_of(store, req.id)
     app.send_task(

@@ -1,33 +1,43 @@
 """Grants in the store: who holds which class (`scheduler.grants` says when to grant).
 
 One hash, `<prefix>:{ml}:grants`: field `grant_key(queue, band, class)` -> `worker TAB
-epoch`. The leader writes it (`GrantBook.issue`, `GrantBook.revoke`); a publisher reads
-one field per job it routes (`lookup`); a worker reads its own grants at each
-heartbeat and whenever a job arrives under an epoch it does not know (`mine`).
+epoch`, written by the leader (`issue`, `revoke`), read by publishers (`lookup`) and by
+each holder (`mine`). A job published under a grant carries its epoch (`ojs_grant`),
+and the holder's gate runs it only while that epoch is still its grant.
 
-Key decisions:
-* The epoch is new for every grant. A job published under a grant carries it (header
-  `ojs_grant`); the holder's gate runs it only while the epoch is still its own grant,
-  and gives it back to the intake otherwise, so a revoked grant never runs a job out
-  of fleet order for longer than the gate takes to notice (one heartbeat at most).
-* Revoking takes the jobs still queued on the holder back into the intake in one Lua
-  call (`redis_intake.sweep_granted`), before the holder can take them.
+Key decision: a publisher keeps a copy of the hash that Redis invalidates (`GrantWatch`,
+`CLIENT TRACKING ... BCAST` on a connection of its own), polled without blocking before
+each lookup, so the copy answers as an HGET sent then would, without the round trip;
+anything unusual drops the copy and the caller reads the field itself.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import threading
+import time
 import uuid
 from typing import Any
 
-from celery_ojs_ml.store.grant_watch import GrantWatch
-from celery_ojs_ml.store.registry import OJSStore
+import redis
 
-HEADER_GRANT = "ojs_grant"
+from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
+
+log = logging.getLogger(__name__)
+
+HEADER_GRANT = h.GRANT
 """The epoch of the grant a job was published under (absent: admitted as usual)."""
-HEADER_GRANT_AT = "ojs_grant_at"
+HEADER_GRANT_AT = h.GRANT_AT
 """When a job was published under a grant (seconds since the epoch): the leader takes a
 holder's queued jobs back once the oldest has waited `ojs_ml_grant_wait_s`."""
+_RETRY_S = 5.0
+"""After a failure, how long lookups read the store before the watch connects again."""
+_SOCKET_TIMEOUT_S = 1.0
+CLIENT_NAME = "ojs-ml-grant-watch"
+"""The watch connection's name in `CLIENT LIST`."""
 
 
 def _split(raw: Any) -> tuple[str, str] | None:
@@ -59,6 +69,109 @@ def queue_grantable(settings: Any, logical: str) -> bool:
     return limits.max_total_gpus is None and limits.max_concurrent_gpu_jobs is None
 
 
+class GrantWatch:
+    """The grants hash `key` of `client`'s server, read once and re-read on change."""
+
+    def __init__(self, client: redis.Redis, key: str) -> None:
+        self._client = client
+        self._key = key
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = 0
+        self._grants: dict[str, str] | None = None
+        self._retry_at = 0.0
+        self._supported = True
+
+    def lookup(self, field: str) -> tuple[bool, str | None]:
+        """(True, the value of `field` or None where it has none), or (False, None) when
+        the watch cannot vouch for its copy: read the store yourself."""
+        with self._lock:
+            if not self._watching():
+                return False, None
+            try:
+                if self._changed() or self._grants is None:
+                    self._grants = self._read_all()
+            except Exception as exc:  # a broken connection: read the store meanwhile
+                self._drop(f"the grants watch failed ({exc!r})")
+                return False, None
+            return True, self._grants.get(field)
+
+    def close(self) -> None:
+        """Close the watch connection (lookups connect again when next called)."""
+        with self._lock:
+            self._drop(None, retry=False)
+
+    def _watching(self) -> bool:
+        if self._conn is not None and self._pid != os.getpid():
+            self._conn, self._grants = None, None  # forked: the parent's socket stays its own
+        if self._conn is not None:
+            return True
+        if not self._supported or time.monotonic() < self._retry_at:
+            return False
+        try:
+            self._conn = self._connect()
+        except redis.ResponseError as exc:  # the server has no CLIENT TRACKING
+            self._supported = False
+            log.info("ojs-ml: publishers read grants per job (no key tracking: %s)", exc)
+            return False
+        except Exception as exc:
+            self._drop(f"could not watch the grants ({exc!r})")
+            return False
+        self._pid, self._grants = os.getpid(), None
+        return True
+
+    def _connect(self) -> Any:
+        pool: Any = self._client.connection_pool
+        if not hasattr(pool, "connection_class"):
+            raise redis.ResponseError("not a redis-py connection pool")
+        kwargs = {**pool.connection_kwargs, "socket_timeout": _SOCKET_TIMEOUT_S}
+        conn = pool.connection_class(**kwargs)
+        conn.connect()
+        try:
+            conn.send_command("CLIENT", "SETNAME", CLIENT_NAME)
+            conn.read_response()
+            if str(getattr(conn, "protocol", 2)) == "3":  # invalidations come as pushes
+                conn.send_command("CLIENT", "TRACKING", "ON", "BCAST", "PREFIX", self._key)
+                conn.read_response()
+            else:  # RESP2: redirected to this connection, subscribed to them
+                conn.send_command("CLIENT", "ID")
+                own = conn.read_response()
+                conn.send_command(
+                    "CLIENT", "TRACKING", "ON", "REDIRECT", own, "BCAST", "PREFIX", self._key
+                )
+                conn.read_response()
+                conn.send_command("SUBSCRIBE", "__redis__:invalidate")
+                conn.read_response()
+        except Exception:
+            conn.disconnect()
+            raise
+        return conn
+
+    def _changed(self) -> bool:
+        """Read every invalidation waiting on the connection; whether there was one."""
+        changed = False
+        while self._conn.can_read(0):
+            self._conn.read_response(push_request=True)
+            changed = True
+        return changed
+
+    def _read_all(self) -> dict[str, str]:
+        raw: dict[Any, Any] = self._client.hgetall(self._key)
+        return {_text(f): _text(v) for f, v in raw.items()}
+
+    def _drop(self, why: str | None, *, retry: bool = True) -> None:
+        if why is not None:
+            log.warning("ojs-ml: %s; publishers read grants per job for %.0f s", why, _RETRY_S)
+        conn, self._conn, self._grants = self._conn, None, None
+        if retry:
+            self._retry_at = time.monotonic() + _RETRY_S
+        if conn is not None:
+            try:
+                conn.disconnect()
+            except Exception as exc:  # already gone
+                log.debug("ojs-ml: closing the grants watch: %r", exc)
+
+
 class GrantBook:
     """The grants hash of one store."""
 
@@ -69,7 +182,7 @@ class GrantBook:
 
     def lookup(self, field: str) -> tuple[str, str] | None:
         """(worker, epoch) of the grant for `field`, or None: from a copy of the hash that
-        Redis invalidates (`store.grant_watch`), else one HGET."""
+        Redis invalidates (`GrantWatch`), else one HGET."""
         if self._watch is None:
             self._watch = GrantWatch(self.store.client, self.key)
         known, value = self._watch.lookup(field)
@@ -171,3 +284,7 @@ def end_grants_of(plugin: Any, worker: str) -> None:
     holder's queued jobs back; the holder gives back those held at its gate."""
     book = plugin.grant_book
     book.revoke([f for f, (w, _) in book.all().items() if w == worker])
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

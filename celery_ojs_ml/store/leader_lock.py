@@ -1,26 +1,25 @@
-"""The scheduler lock: a mixin of `pending.PendingBook` (split out to keep modules small).
+"""The scheduler lock: which candidate leads the fleet (DESIGN decision 9).
 
 A plain `SET NX PX` renewed by its holder only, as celery-redbeat's lock: another
-candidate takes over when it expires.
+candidate takes over when it expires. The value is `{id, since}` JSON.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
-from celery_ojs_ml.store.pending_admit import _text
+from celery_ojs_ml.store.pending_records import _text, transaction
 from celery_ojs_ml.store.registry import OJSStore
 
 
 class LeaderLock:
-    """`lead`, `resign`, `leader` (see module doc)."""
+    """`lead`, `resign`, `leader` on one store's `scheduler:leader` key."""
 
-    store: OJSStore
-    _r: Any
-    _leader: str
-    _transaction: Callable[..., Any]
+    def __init__(self, store: OJSStore) -> None:
+        self.store = store
+        self._r = store.client
+        self._key = store.key("scheduler", "leader")
 
     def lead(self, candidate: str, ttl_s: float) -> bool:
         """Take or renew the scheduler lock; True while `candidate` holds it."""
@@ -30,15 +29,15 @@ class LeaderLock:
             value = json.dumps(mine)
 
             def txn(pipe: Any) -> bool:
-                if _text(pipe.get(self._leader) or b"") != value:
+                if _text(pipe.get(self._key) or b"") != value:
                     return False
                 pipe.multi()
-                pipe.pexpire(self._leader, ms)
+                pipe.pexpire(self._key, ms)
                 return True
 
-            return bool(self._transaction(self._leader, txn))
+            return bool(transaction(self._r, self._key, txn))
         record = json.dumps({"id": candidate, "since": self.store._clock()})
-        return bool(self._r.set(self._leader, record, nx=True, px=ms))
+        return bool(self._r.set(self._key, record, nx=True, px=ms))
 
     def resign(self, candidate: str) -> None:
         """Give the lock up at once (a clean shutdown), if `candidate` holds it."""
@@ -47,15 +46,15 @@ class LeaderLock:
             value = json.dumps(mine)
 
             def txn(pipe: Any) -> None:
-                if _text(pipe.get(self._leader) or b"") == value:
+                if _text(pipe.get(self._key) or b"") == value:
                     pipe.multi()
-                    pipe.delete(self._leader)
+                    pipe.delete(self._key)
 
-            self._transaction(self._leader, txn)
+            transaction(self._r, self._key, txn)
 
     def leader(self) -> dict[str, Any] | None:
         """`{id, since}` of the current scheduler, or None."""
-        raw = self._r.get(self._leader)
+        raw = self._r.get(self._key)
         if raw is None:
             return None
         value = json.loads(_text(raw))

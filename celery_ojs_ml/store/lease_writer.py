@@ -24,12 +24,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import redis
 
-if TYPE_CHECKING:
-    from celery_ojs_ml.store.leases import LeaseBook
+from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,30 @@ of many milliseconds, and a job that ends sooner needs no lease write at all."""
 BUSY_WINDOW_S = 0.050
 
 
+class LeaseRecords(Protocol):
+    """What a `LeaseWriter` needs of the lease records (`leases.LeaseBook`)."""
+
+    @property
+    def store(self) -> OJSStore: ...
+
+    @property
+    def batch_sha(self) -> str | None: ...
+
+    def new_lease(
+        self, record: dict[str, Any], token: str | None = None
+    ) -> tuple[str, tuple[str, str, float]]: ...
+
+    def write_batch(
+        self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
+    ) -> bool: ...
+
+    def batch_arguments(
+        self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
+    ) -> tuple[list[str], list[Any]]: ...
+
+    def load_scripts(self) -> None: ...
+
+
 class LeaseWriter:
     """The hot-path lease writes of one worker: batched under an event loop (module doc).
 
@@ -76,7 +99,7 @@ class LeaseWriter:
 
     def __init__(
         self,
-        book: LeaseBook,
+        book: LeaseRecords,
         defer: Callable[[Callable[[], None], float], Any] | None = None,
         loop: Any = None,
         busy_delay_s: float = BUSY_DELAY_S,

@@ -20,7 +20,7 @@ Key decisions:
   which is why `deadline` is always a lease's last field. Without scripting it
   is a WATCH/MULTI transaction over the owner's leases.
 * The hot-path writes (take and release) are batched by `lease_writer.LeaseWriter`,
-  re-exported here.
+  re-exported here, as is `wire.records.republish_headers`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from celery_ojs_ml.store.lease_writer import (
     pack_command,
 )
 from celery_ojs_ml.store.registry import NO_SCRIPTING, OJSStore
+from celery_ojs_ml.wire.records import republish_headers
 
 __all__ = [
     "BUSY_DELAY_S",
@@ -346,30 +347,3 @@ class LeaseBook:
                     continue
         log.warning("ojs-ml: lease %s is contended; giving up this round", task_id)
         return None
-
-
-def republish_headers(
-    headers: dict[str, Any], **counters: int | dict[str, Any] | None
-) -> dict[str, Any]:
-    """Canonical headers for a re-published copy, with updated counters."""
-    keep = {
-        k: v for k, v in headers.items() if k.startswith(("ext_ml", "ojs_")) and k not in _TRANSIENT
-    }
-    keep.update({k: v for k, v in counters.items() if v is not None})
-    return keep
-
-
-_TRANSIENT = frozenset(
-    {
-        "ojs_devices",
-        "ojs_node",
-        "ojs_pin",
-        "ojs_pending",
-        "ojs_class",
-        "ojs_band",
-        "ojs_lease",
-        "ojs_assign",
-        "ojs_victims",
-        "ojs_prefetch",
-    }
-)

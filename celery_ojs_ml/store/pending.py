@@ -1,35 +1,20 @@
 """The durable pending set and its assignments (DESIGN decision 9): one record per job.
 
-Responsibility: the store side of the fleet scheduler. A job with hard
-constraints is admitted here (its Celery message kept as it was published),
-waits with RFC 27 annotations, is assigned to one worker with a fresh token,
-and is started by that worker's gate only if the token is still current.
+A job with hard constraints is admitted here (its Celery message kept as it was
+published), waits with RFC 27 annotations, is assigned to one worker with a fresh
+token, and is started by that worker's gate only if the token is still current.
 
-Key decisions:
-- One hash per job, so every state change is one WATCH/MULTI transaction on
-  one key (no Lua: fakeredis in the embedded demo evaluates none).
-- States: `pending` -> `assigned` (worker, token, at) -> `started` (a
-  tombstone kept for a day, so a late duplicate delivery is recognised) or
-  back to `pending` (returned by the gate, or taken back after
-  `ojs_ml_assignment_timeout_s`). A gate whose token is no longer current
-  drops its copy: a lost or stuck delivery neither loses the job nor runs it
-  twice.
-- The leader lock is a plain `SET NX PX` renewed by its holder only (as
-  celery-redbeat's lock): another candidate takes over when it expires.
-
-Layout (prefix `ojs`):
-    ojs:{ml}:pjob:<task id>     hash  state, msg, meta, worker, token, assigned_at, reason, ...
-    ojs:{ml}:pjobs              zset  task id -> admitted at (waiting or assigned jobs)
-    ojs:{ml}:pdirty             set   task ids another client changed since the leader's
-                                      last pass (`PendingView` reads only those again)
-    ojs:{ml}:scheduler:leader   string  JSON {id, since}, PX = ojs_ml_leader_ttl_s
+Key decision: states `pending` -> `assigned` (worker, token) -> `started` (a tombstone
+kept for a day, so a late duplicate delivery is recognised), or back to `pending`
+(returned by the gate, or taken back after `ojs_ml_assignment_timeout_s`). A gate whose
+token is no longer current drops its copy: a lost or stuck delivery neither loses the
+job nor runs it twice. The record layout is in `pending_records`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,17 +23,23 @@ import redis
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.store import pending_scripts as scripts
 from celery_ojs_ml.store.leader_lock import LeaderLock
-from celery_ojs_ml.store.pending_admit import (
+from celery_ojs_ml.store.pending_admit import PendingAdmission
+from celery_ojs_ml.store.pending_assign import PendingAssigner
+from celery_ojs_ml.store.pending_read import PendingReader
+from celery_ojs_ml.store.pending_records import (
     _NO_SCRIPTING,
     ASSIGNED,
     CANCELLED,
     HEADER_MSG,
     PENDING,
     STARTED,
-    Admitting,
+    TOMBSTONE_S,
+    _decode,
     _text,
+    compare_and_set,
+    job_key,
+    transaction,
 )
-from celery_ojs_ml.store.pending_read import Reading, _decode
 from celery_ojs_ml.store.registry import OJSStore
 
 __all__ = [
@@ -61,15 +52,23 @@ __all__ = [
     "PendingBook",
 ]
 
-TOMBSTONE_S = 86400
 _MSG_CACHE = 20_000
 """Decoded messages the leader keeps between passes (`records`)."""
-_RETRIES = 16
 log = logging.getLogger(__name__)
 
+Notes = Mapping[str, tuple[str, float | None, str | None]]
+"""RFC 27 annotations: `{task_id: (reason_pending, t_estimate, worker)}`."""
+Assignment = tuple[str, str, str, tuple[str, bytes] | None]
+"""(task id, worker, token, push) of `assign_many`."""
 
-class PendingBook(Admitting, LeaderLock, Reading):
-    """Pending jobs, assignments and the scheduler lock of one store."""
+
+class PendingBook:
+    """Pending jobs, assignments and the scheduler lock of one store.
+
+    The facade every side uses; admission (`pending_admit`), reads (`pending_read`),
+    the leader's assignments (`pending_assign`) and the lock (`leader_lock`) are
+    collaborators it delegates to. The gate's and the API's state changes are here.
+    """
 
     def __init__(self, store: OJSStore) -> None:
         self.store = store
@@ -79,15 +78,15 @@ class PendingBook(Admitting, LeaderLock, Reading):
         self.on_admit: Callable[[str, dict[str, Any]], None] = lambda task_id, record: None
         """Told of each record `admit_many` wrote (the leader's `PendingView.put`): the
         only admissions not marked in `pdirty`, as only the leader admits."""
-        self._prune_script: Any = self._r.register_script(scripts.PRUNE)
-        self._admit_script: Any = self._r.register_script(scripts.ADMIT)
         self._start_script: Any = self._r.register_script(scripts.START)
-        self._assign_script: Any = self._r.register_script(scripts.ASSIGN)
-        self._leader = store.key("scheduler", "leader")
-        self._msgs: LRU[tuple[str, str], dict[str, Any]] = LRU(_MSG_CACHE)
+        msgs: LRU[tuple[str, str], dict[str, Any]] = LRU(_MSG_CACHE)
+        self.reader = PendingReader(store, msgs)
+        self.admission = PendingAdmission(store, msgs, lambda t, r: self.on_admit(t, r))
+        self.assigner = PendingAssigner(store)
+        self.lock = LeaderLock(store)
 
     def _key(self, task_id: str) -> str:
-        return self.store.key("pjob", task_id)
+        return job_key(self.store, task_id)
 
     @property
     def index_key(self) -> str:
@@ -99,7 +98,67 @@ class PendingBook(Admitting, LeaderLock, Reading):
         """The set of jobs whose record changed since the leader last took it."""
         return self._changed
 
-    # -- assignment, start and return ----------------------------------------------------
+    # -- reads (`pending_read`) ---------------------------------------------------------------
+
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        """The record of one job (any state), or None."""
+        return self.reader.get(task_id)
+
+    def records(self, *, lean: bool = False) -> dict[str, dict[str, Any]]:
+        """Every waiting or assigned job: `{task_id: record}`, in admission order."""
+        return self.reader.records(lean=lean)
+
+    def read(self, ids: list[str], *, lean: bool = True) -> dict[str, dict[str, Any]]:
+        """The waiting or assigned records of `ids`; the others leave the index."""
+        return self.reader.read(ids, lean=lean)
+
+    def index_and_changes(self) -> tuple[list[str], set[str]]:
+        """The index and the ids marked changed since the last call, in one transaction."""
+        return self.reader.index_and_changes()
+
+    def started_at(self, task_ids: list[str]) -> dict[str, float | None]:
+        """When each job's gate started it; None when it is not started or has no record."""
+        return self.reader.started_at(task_ids)
+
+    def read_started(self, pipe: Any, task_ids: list[str]) -> None:
+        """`started_at`'s reads, queued on `pipe` (the leader's pass reads carry them)."""
+        self.reader.read_started(pipe, task_ids)
+
+    def parse_started(self, task_ids: list[str], rows: list[Any]) -> dict[str, float | None]:
+        """`started_at` from the replies of `read_started`."""
+        return self.reader.parse_started(task_ids, rows)
+
+    # -- admission (`pending_admit`) -------------------------------------------------------
+
+    def admit(self, task_id: str, meta: dict[str, Any], msg: dict[str, Any]) -> bool:
+        """Add a job (its message and metadata); False when it is already known."""
+        return self.admission.admit(task_id, meta, msg)
+
+    def admit_many(self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]) -> list[bool]:
+        """`admit` for a batch in one transaction (the leader drains its intake in batches)."""
+        return self.admission.admit_many(jobs)
+
+    def admit_in(
+        self, pipe: Any, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]]
+    ) -> Callable[[Any], list[bool]] | None:
+        """Queue `admit_many(jobs)` on `pipe`; None where the store runs no Lua."""
+        return self.admission.admit_in(pipe, jobs)
+
+    # -- the scheduler lock (`leader_lock`) --------------------------------------------------
+
+    def lead(self, candidate: str, ttl_s: float) -> bool:
+        """Take or renew the scheduler lock; True while `candidate` holds it."""
+        return self.lock.lead(candidate, ttl_s)
+
+    def resign(self, candidate: str) -> None:
+        """Give the lock up at once (a clean shutdown), if `candidate` holds it."""
+        self.lock.resign(candidate)
+
+    def leader(self) -> dict[str, Any] | None:
+        """`{id, since}` of the current scheduler, or None."""
+        return self.lock.leader()
+
+    # -- the leader's assignments and annotations (`pending_assign`) -------------------------
 
     def assign(
         self,
@@ -112,114 +171,27 @@ class PendingBook(Admitting, LeaderLock, Reading):
         push: tuple[str, bytes] | None = None,
     ) -> str | None:
         """`pending` -> `assigned` to `worker` with a fresh token (or `token`); None if not
-        pending. `push` (list key, raw message): LPUSHed in the same call when it assigns
-        (the leader's delivery, `redis_intake.envelope`)."""
-        token = token or uuid.uuid4().hex
-        fields = {
-            "state": ASSIGNED,
-            "worker": worker,
-            "token": token,
-            "assigned_at": repr(now),
-            "victims": json.dumps(list(victims)),
-        }
-        if self._assign_script is not None:
-            keys, args = self._assign_call(task_id, worker, token, fields, push)
-            try:
-                return token if self._assign_script(keys=keys, args=args) else None
-            except (redis.ConnectionError, redis.TimeoutError):
-                raise
-            except _NO_SCRIPTING as exc:
-                log.info("ojs-ml: no Lua scripting on the store (%s); assigns use MULTI/WATCH", exc)
-                self._assign_script = None
-        ok = self._cas(task_id, lambda r: r.get("state") == PENDING, fields)
-        if ok and push is not None:
-            self._r.lpush(*push)
-        return token if ok else None
+        pending. `push` (list key, raw message): LPUSHed in the same call."""
+        return self.assigner.assign(
+            task_id, worker, now=now, victims=victims, token=token, push=push
+        )
 
     def assign_many(
         self,
-        items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
+        items: Sequence[Assignment],
         now: float,
-        notes: Mapping[str, tuple[str, float | None, str | None]] | None = None,
+        notes: Notes | None = None,
         also: Callable[[Any], None] | None = None,
         before: Callable[[Any], Callable[[Any], None] | None] | None = None,
     ) -> list[str | None]:
-        """`assign` of (task id, worker, token, push) each, and `annotate(notes)`, in one
-        pipeline where the store runs Lua; each item's token, or None where the job was
-        not pending any more. `also` may queue more commands on that pipeline (it is
-        not called where there is none); `before` queues commands ahead of them and returns
-        what takes their reply (as in `pass_reads`; without Lua it raises, nothing assigned).
+        """`assign` of each item and `annotate(notes)` in one pipeline (`PendingAssigner`)."""
+        return self.assigner.assign_many(items, now, notes, also, before)
 
-        The script goes out as a bare `EVALSHA`: redis-py's pipelined `Script` asks
-        `SCRIPT EXISTS` first, a round trip of its own on every pass. Where the server
-        does not hold the script (its first use, a restart) those items are assigned
-        again one by one, which loads it."""
-        script = self._assign_script
-        replies = (
-            None if script is None else self._assign_pipelined(items, now, notes, also, before)
-        )
-        if replies is None and before is not None:
-            raise RuntimeError("assign_many(before=...) needs Lua on the store")
-        if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
-            self.annotate(notes or {})
-            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
-        tokens: list[str | None] = []
-        for (task_id, worker, token, push), ok in zip(items, replies, strict=False):
-            if isinstance(ok, _NO_SCRIPTING):  # the server does not hold the script: it loads it
-                ok = self.assign(task_id, worker, now=now, token=token, push=push)
-            elif isinstance(ok, Exception):
-                raise ok
-            tokens.append(token if ok else None)
-        for reply in replies[len(items) :]:
-            if isinstance(reply, Exception):
-                raise reply
-        return tokens
+    def annotate(self, notes: Notes, *, ahead: bool = False) -> None:
+        """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip."""
+        self.assigner.annotate(notes, ahead=ahead)
 
-    def _assign_pipelined(
-        self,
-        items: Sequence[tuple[str, str, str, tuple[str, bytes] | None]],
-        now: float,
-        notes: Mapping[str, tuple[str, float | None, str | None]] | None,
-        also: Callable[[Any], None] | None,
-        before: Callable[[Any], Callable[[Any], None] | None] | None = None,
-    ) -> list[Any] | None:
-        """`assign_many`'s pipeline: each item's reply (or error), then the notes'; None
-        where the store runs no Lua."""
-        fields = {"assigned_at": repr(now), "victims": "[]"}
-        sha = self._assign_script.sha
-        try:
-            with self._r.pipeline(transaction=False) as pipe:
-                first = before(pipe) if before is not None else None
-                for task_id, worker, token, push in items:
-                    keys, args = self._assign_call(task_id, worker, token, fields, push)
-                    pipe.evalsha(sha, len(keys), *keys, *args)
-                self._annotations(pipe, notes or {})
-                if also is not None:
-                    also(pipe)
-                replies = list(pipe.execute(raise_on_error=False))
-                if first is not None:
-                    first(replies.pop(0))
-                return replies
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except _NO_SCRIPTING as exc:
-            log.info("ojs-ml: pipelined assignments failed (%s); one at a time", exc)
-            return None
-
-    def _assign_call(
-        self,
-        task_id: str,
-        worker: str,
-        token: str,
-        fields: Mapping[str, str],
-        push: tuple[str, bytes] | None,
-    ) -> tuple[list[str], list[str]]:
-        """The ASSIGN script's keys and arguments."""
-        args = [worker, token, fields["assigned_at"], fields["victims"], task_id]
-        keys = [self._key(task_id), self._changed]
-        if push is not None:
-            keys, args = [*keys, push[0]], [*args, push[1].decode()]
-        return keys, args
+    # -- the gate's start and return, the API's requests ---------------------------------------
 
     def start(self, task_id: str, token: str, worker: str) -> str:
         """The gate starts the job: "ok", "stale" (another assignment is current), "again"
@@ -264,7 +236,7 @@ class PendingBook(Admitting, LeaderLock, Reading):
             pipe.zrem(self._index, task_id)
             return "ok"
 
-        return str(self._transaction(key, txn))
+        return str(transaction(self._r, key, txn))
 
     def give_back(
         self,
@@ -278,11 +250,9 @@ class PendingBook(Admitting, LeaderLock, Reading):
         """`assigned` (with this token) -> `pending` with a reason; the gate could not run it.
 
         `cool`: stamp `returned_at`, so the scheduler lets the job sit out a moment.
-        `msg`: the message of a copy the gate got *again* (see `start`): a `started`
-        record of this token goes back to `pending` with it. The gate passes it only
-        when no lease shows the first run alive: the run died before its lease was
-        written, its message was restored by the broker, and that copy is the only
-        one left, so dropping it would lose the job.
+        `msg`: the message of a copy the gate got *again* (see `start`), passed only when
+        no lease shows the first run alive (it died before its lease was written): a
+        `started` record of this token goes back to `pending` with it, as the only copy.
         """
         key = self._key(task_id)
         fields = {"state": PENDING, "reason": reason}
@@ -302,41 +272,15 @@ class PendingBook(Admitting, LeaderLock, Reading):
             pipe.hset(key, mapping={**fields, **({"msg": json.dumps(msg)} if again else {})})
             pipe.hdel(key, *drop, *(("started_at",) if again else ()))
             pipe.sadd(self._changed, task_id)
-            if again:  # a waiting job again: no tombstone expiry, back in the index
-                pipe.persist(key)
-                meta = record.get("meta")
-                meta = meta if isinstance(meta, dict) else {}
-                pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
+            if again:
+                _wait_again(pipe, key, self._index, task_id, record)
             return True
 
-        return bool(self._transaction(key, txn))
+        return bool(transaction(self._r, key, txn))
 
     def take_back(self, task_id: str, token: str, reason: str, *, cool: bool = True) -> bool:
         """The scheduler takes back an assignment its worker did not start (fenced by token)."""
         return self.give_back(task_id, token, reason, cool=cool)
-
-    def annotate(
-        self, notes: Mapping[str, tuple[str, float | None, str | None]], *, ahead: bool = False
-    ) -> None:
-        """RFC 27 annotate: `{task_id: (reason_pending, t_estimate, worker)}` in one round trip.
-        `ahead`: the jobs were delivered ahead of capacity and wait at `worker`'s gate."""
-        if not notes:
-            return
-        with self._r.pipeline(transaction=False) as pipe:
-            self._annotations(pipe, notes, ahead)
-            pipe.execute()
-
-    def _annotations(
-        self,
-        pipe: Any,
-        notes: Mapping[str, tuple[str, float | None, str | None]],
-        ahead: bool = False,
-    ) -> None:
-        for task_id, (reason, t_est, worker) in notes.items():
-            note: dict[str, Any] = {"reason_pending": reason, "t_estimate": t_est, "worker": worker}
-            if ahead:
-                note["ahead"] = True
-            pipe.hset(self._key(task_id), "annotation", json.dumps(note))
 
     def cancel(self, task_id: str) -> bool:
         """RFC 27 cancel: drop a job no worker has started (waiting or assigned); True if so.
@@ -358,12 +302,15 @@ class PendingBook(Admitting, LeaderLock, Reading):
             pipe.zrem(self._index, task_id)
             return True
 
-        return bool(self._transaction(key, txn))
+        return bool(transaction(self._r, key, txn))
 
     def prioritize(self, task_id: str, priority: int) -> bool:
         """RFC 27 prioritize: a waiting job's priority; True if the job waits."""
-        return self._cas(
-            task_id, lambda r: r.get("state") == PENDING, {"priority": str(int(priority))}
+        return compare_and_set(
+            self.store,
+            task_id,
+            lambda r: r.get("state") == PENDING,
+            {"priority": str(int(priority))},
         )
 
     def hold(self, task_id: str, until: float) -> None:
@@ -373,42 +320,11 @@ class PendingBook(Admitting, LeaderLock, Reading):
             pipe.sadd(self._changed, task_id)
             pipe.execute()
 
-    # -- transactions ------------------------------------------------------------------------
 
-    def _cas(
-        self,
-        task_id: str,
-        test: Any,
-        fields: dict[str, str],
-        drop: tuple[str, ...] = (),
-    ) -> bool:
-        key = self._key(task_id)
-
-        def txn(pipe: Any) -> bool:
-            raw = pipe.hgetall(key)
-            if not raw or not test(_decode(raw)):
-                return False
-            pipe.multi()
-            pipe.hset(key, mapping=fields)
-            if drop:
-                pipe.hdel(key, *drop)
-            pipe.sadd(self._changed, task_id)
-            return True
-
-        return bool(self._transaction(key, txn))
-
-    def _transaction(self, key: str | list[str], body: Any) -> Any:
-        """Run `body(pipe)` under WATCH `key`(s); retried when another client changed one."""
-        keys = [key] if isinstance(key, str) else key
-        for _ in range(_RETRIES):
-            with self._r.pipeline(transaction=True) as pipeline:
-                pipe: Any = pipeline
-                try:
-                    pipe.watch(*keys)
-                    result = body(pipe)
-                    if pipe.explicit_transaction:
-                        pipe.execute()
-                    return result
-                except redis.WatchError:
-                    continue
-        raise redis.RedisError(f"{keys[0]} kept changing under {_RETRIES} transactions; retry")
+def _wait_again(pipe: Any, key: str, index: str, task_id: str, record: dict[str, Any]) -> None:
+    """A started record waits again (`give_back` with `msg`): no tombstone expiry, and
+    back in the index at its submission time."""
+    pipe.persist(key)
+    meta = record.get("meta")
+    meta = meta if isinstance(meta, dict) else {}
+    pipe.zadd(index, {task_id: float(meta.get("submitted_at") or 0.0)})

@@ -1,9 +1,10 @@
-"""Admission into the pending set: a mixin of `pending.PendingBook` (split out to keep
-modules small; every attribute below is set by `PendingBook.__init__`).
+"""Admission into the pending set (`pending.PendingBook` delegates here).
 
 An admission writes the job's record (its message and metadata) and its index
 entry; a job is admitted again only once its earlier record was started or is
 gone, and never twice for one published message (`ojs_msg`, the record's `seen`).
+Only the leader admits (it drains the intake), so `on_admit` tells it of each
+record written instead of marking it changed in the store.
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from typing import Any
 import redis
 
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.store.registry import NO_SCRIPTING, OJSStore
+from celery_ojs_ml.store import pending_scripts as scripts
+from celery_ojs_ml.store.pending_records import (
+    _NO_SCRIPTING,
+    HEADER_MSG,
+    PENDING,
+    STARTED,
+    _text,
+    job_key,
+    transaction,
+)
+from celery_ojs_ml.store.registry import OJSStore
 
 log = logging.getLogger("celery_ojs_ml.store.pending")
-HEADER_MSG = "ojs_msg"
-"""A unique id the publisher stamps on each publish of an ML job (`admit_many`)."""
 _SEEN = 32
 """Message ids kept per job: more than any job's re-publishes within its tombstone's day."""
-_NO_SCRIPTING = NO_SCRIPTING
-PENDING, ASSIGNED, STARTED, CANCELLED = "pending", "assigned", "started", "cancelled"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _admit_args(jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], now: str) -> list[Any]:
@@ -42,17 +45,28 @@ def _admit_args(jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], now: str
     return args
 
 
-class Admitting:
-    """`admit` and `admit_many` (see module doc)."""
+class PendingAdmission:
+    """`admit`, `admit_many` and `admit_in` (see module doc).
 
-    store: OJSStore
-    _r: Any
-    _index: str
-    _admit_script: Any
-    _msgs: LRU[tuple[str, str], dict[str, Any]]
-    on_admit: Callable[[str, dict[str, Any]], None]
-    _key: Callable[[str], str]
-    _transaction: Callable[..., Any]
+    `msgs` is the decoded-message cache shared with the reader: an admitted
+    message goes in it, so the leader's next pass does not read it back.
+    """
+
+    def __init__(
+        self,
+        store: OJSStore,
+        msgs: LRU[tuple[str, str], dict[str, Any]],
+        on_admit: Callable[[str, dict[str, Any]], None],
+    ) -> None:
+        self.store = store
+        self._r = store.client
+        self._index = store.key("pjobs")
+        self._admit_script: Any = self._r.register_script(scripts.ADMIT)
+        self._msgs = msgs
+        self.on_admit = on_admit
+
+    def _key(self, task_id: str) -> str:
+        return job_key(self.store, task_id)
 
     def admit(self, task_id: str, meta: dict[str, Any], msg: dict[str, Any]) -> bool:
         """Add a job (its message and metadata); False when it is already known.
@@ -157,4 +171,4 @@ class Admitting:
                 pipe.zadd(self._index, {task_id: float(meta.get("submitted_at") or 0.0)})
             return fresh
 
-        return list(self._transaction(keys, txn))
+        return list(transaction(self._r, keys, txn))

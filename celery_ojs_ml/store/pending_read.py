@@ -1,24 +1,31 @@
-"""Reading the pending set: a mixin of `pending.PendingBook` (split out to keep modules
-small; every attribute below is set by `PendingBook.__init__`).
+"""Reading the pending set (`pending.PendingBook` delegates here).
 
 Records are read by id (`get`, `read`) or in admission order (`records`); a read
 drops the index entries of jobs that neither wait nor are assigned any more.
 
 Key decision: the leader reads every record on every pass, so a lean read takes
 only the fields it uses and skips the message (the largest field, unchanged
-while its admission stands) when its decoded copy is in `_msgs`.
+while its admission stands) when its decoded copy is in the shared message cache.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import redis
 
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.store.pending_admit import _NO_SCRIPTING, ASSIGNED, PENDING, STARTED, _text
+from celery_ojs_ml.store import pending_scripts as scripts
+from celery_ojs_ml.store.pending_records import (
+    _NO_SCRIPTING,
+    ASSIGNED,
+    PENDING,
+    STARTED,
+    _decode,
+    _text,
+    job_key,
+)
 from celery_ojs_ml.store.registry import OJSStore
 
 _LEAN = ("state", "meta", "admitted_at", "worker", "token", "assigned_at", "hold_until",
@@ -26,28 +33,25 @@ _LEAN = ("state", "meta", "admitted_at", "worker", "token", "assigned_at", "hold
 """The fields of a record the leader reads on every pass (`records(lean=True)`)."""
 _CACHED = b"\x00cached"
 """Stands for a message `_lean` did not read because the cache holds it."""
-_JSON_FIELDS = ("msg", "meta", "annotation", "victims", "seen")
 
 
-def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
-    record: dict[str, Any] = {}
-    for key, value in raw.items():
-        name = _text(key)
-        text = _text(value)
-        record[name] = json.loads(text) if name in _JSON_FIELDS else text
-    return record
+class PendingReader:
+    """`get`, `started_at`, `records`, `index_and_changes`, `read` (see module doc).
 
+    `msgs` is the decoded-message cache it shares with admission, keyed by
+    (task id, admitted at).
+    """
 
-class Reading:
-    """`get`, `started_at`, `records`, `index_and_changes`, `read` (see module doc)."""
+    def __init__(self, store: OJSStore, msgs: LRU[tuple[str, str], dict[str, Any]]) -> None:
+        self.store = store
+        self._r = store.client
+        self._index = store.key("pjobs")
+        self._changed = store.key("pdirty")
+        self._prune_script: Any = self._r.register_script(scripts.PRUNE)
+        self._msgs = msgs
 
-    store: OJSStore
-    _r: Any
-    _index: str
-    _changed: str
-    _prune_script: Any
-    _msgs: LRU[tuple[str, str], dict[str, Any]]
-    _key: Callable[[str], str]
+    def _key(self, task_id: str) -> str:
+        return job_key(self.store, task_id)
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The record of one job (any state), or None."""

@@ -1,29 +1,14 @@
-"""Redis state shared by producers and workers: classes, live workers, pending and held jobs.
+"""Redis state shared by every process: live workers, pending and held jobs.
 
-Responsibility: the one place that knows the key layout and how each record is
-written atomically. It speaks redis-py only (no Celery), so the same code runs
-against a real server, a Redis Cluster and fakeredis in the embedded demo.
+Every key lives under `<prefix>:{ml}:` (the `{ml}` hash tag keeps all keys in one Redis
+Cluster slot, so multi-key transactions are legal there); redis-py only, so the same
+code runs on a server, a cluster and fakeredis in the embedded demo. Layout:
+`<kind>:<name>` (JSON, PX TTL; kind worker, pending or held) and `index:<kind>` (zset
+name -> expiry). The class registry of earlier versions (`class:*`) is only read.
 
-Key decisions:
-- Every key lives under `<prefix>:{ml}:`. The `{ml}` hash tag puts all keys in
-  one Redis Cluster slot, so the multi-key transactions below (an entry and its
-  index, a class and the registry version) are legal on a cluster.
-- Multi-key updates use WATCH/MULTI transactions, not Lua: fakeredis evaluates
-  Lua only when `lupa` is installed, and the embedded demo must not need it.
-- Liveness is the server's business: each worker, pending and held record is its
-  own key with a PX TTL, so a record vanishes when its owner stops refreshing it.
-  A sorted set per kind indexes the names by expiry only so that listing needs
-  no SCAN; it is pruned by the (injectable) client clock with a generous grace,
-  so clock skew between hosts can delay garbage collection but never hide a
-  live record.
-
-Layout (prefix `ojs`):
-    ojs:{ml}:class:constraints        hash   class id -> canonical constraints JSON
-    ojs:{ml}:class:queues:<class id>  set    logical queues that route to the class
-    ojs:{ml}:class:version            int    bumped on every new (class, queue) pair
-    ojs:{ml}:classes                  pubsub channel announcing those pairs
-    ojs:{ml}:<kind>:<name>            string JSON record with PX TTL (kind: worker, pending, held)
-    ojs:{ml}:index:<kind>             zset   name -> expiry (ms since the epoch)
+Key decision: liveness is the server's business: a record is its own key with a TTL,
+so it vanishes when its owner stops refreshing it; the index is pruned by the client
+clock with a generous grace, so skew can delay garbage collection, never hide a record.
 """
 
 from __future__ import annotations
@@ -31,10 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
+
+from celery_ojs_ml.spec.classes import BANDS
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -55,7 +42,6 @@ end
 return out
 """
 """`OJSStore.indexed`: an index's members and their values in one round trip."""
-_WATCH_RETRIES = 32
 _CONNECT_TIMEOUT_S = 5.0
 _SOCKET_TIMEOUT_S = 10.0
 """A store that stops answering fails the call instead of hanging a producer or a timer."""
@@ -68,6 +54,17 @@ def _dumps(value: Any) -> str:
 def pairs(flat: list[Any]) -> list[tuple[str, bytes]]:
     """The `indexed` script's flat reply as `(member, value)` pairs."""
     return [(_text(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)]
+
+
+def class_routes(entry: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The (logical queue, band) pairs of a class registry entry (`OJSStore.classes`).
+
+    A logical queue registered without bands (by an older producer) counts in every band.
+    """
+    routes = [(str(q), str(b)) for q, b in entry.get("routes") or []]
+    known = {q for q, _ in routes}
+    routes += [(str(q), b) for q in entry.get("queues", []) if q not in known for b in BANDS]
+    return routes
 
 
 def _text(value: bytes | str) -> str:
@@ -104,11 +101,6 @@ class OJSStore:
         """The underlying redis-py client."""
         return self._r
 
-    @property
-    def classes_channel(self) -> str:
-        """The pub/sub channel on which new (class, logical queue) pairs are announced."""
-        return f"{self._base}:classes"
-
     def key(self, *parts: str) -> str:
         """The full key for `parts`, under the prefix and the `{ml}` hash tag."""
         return ":".join((self._base, *parts))
@@ -128,75 +120,12 @@ class OJSStore:
         except redis.RedisError:
             return False
 
-    # -- requirement-class registry ------------------------------------------------
-
-    def register_class(
-        self,
-        class_id: str,
-        constraints: dict[str, Any],
-        *,
-        logical_queue: str,
-        band: str | None = None,
-    ) -> bool:
-        """Record that `logical_queue` routes jobs of `class_id` in `band`; True when new.
-
-        A new (logical queue, band) pair bumps the registry version and is
-        published on `classes_channel` in the same transaction, so workers
-        polling the version and workers subscribed to the channel never
-        disagree. Workers consume only the bands registered for a class (a
-        class registered without a band, by an older producer, in every band).
-        The constraints of a known class id are kept as first written: the id
-        is a hash of them.
-        """
-        keys = (self.key("class", "queues", class_id), self.key("class", "routes", class_id))
-        version = self.key("class", "version")
-        with self._r.pipeline(transaction=True) as pipe:
-            for _ in range(_WATCH_RETRIES):
-                try:
-                    return self._register_once(
-                        pipe, keys, version, class_id, constraints, logical_queue, band
-                    )
-                except redis.WatchError:
-                    continue
-        raise redis.WatchError(f"register_class({class_id!r}) lost {_WATCH_RETRIES} races in a row")
-
-    def _register_once(
-        self,
-        pipe: redis.client.Pipeline,
-        keys: tuple[str, str],
-        version: str,
-        class_id: str,
-        constraints: dict[str, Any],
-        logical_queue: str,
-        band: str | None,
-    ) -> bool:
-        queues, routes = keys
-        route = _dumps([logical_queue, band]) if band is not None else None
-        # redis-py leaves Pipeline.watch unannotated; it returns the server's OK.
-        pipe.watch(queues, routes, version)  # type: ignore[no-untyped-call]
-        known = pipe.sismember(queues, logical_queue)
-        if known and (route is None or pipe.sismember(routes, route)):
-            pipe.unwatch()
-            return False
-        next_version = int(pipe.get(version) or 0) + 1
-        message = {
-            "class_id": class_id,
-            "logical_queue": logical_queue,
-            "band": band,
-            "version": next_version,
-        }
-        pipe.multi()
-        pipe.hsetnx(self.key("class", "constraints"), class_id, _dumps(constraints))
-        pipe.sadd(queues, logical_queue)
-        if route is not None:
-            pipe.sadd(routes, route)
-        pipe.incr(version)
-        pipe.publish(self.classes_channel, _dumps(message))
-        pipe.execute()
-        return True
+    # -- the class registry of earlier versions (read only) ------------------------------
 
     def classes(self) -> dict[str, dict[str, Any]]:
-        """Every class: `{class_id: {"constraints", "queues", "routes"}}`.
+        """Every class a producer of an earlier version registered when it published to a
+        per-class queue: `{class_id: {"constraints", "queues", "routes"}}`. Nothing writes
+        the registry now; `celery ojs-ml explain` reads it to find jobs left in those queues.
 
         `queues` are its sorted logical queues; `routes` the sorted
         `[logical queue, band]` pairs jobs were published with.
@@ -220,10 +149,6 @@ class OJSStore:
             except (ValueError, TypeError) as exc:  # one corrupt entry must not hide the rest
                 log.error("ojs-ml: skipping corrupt class registry entry %s: %s", cid, exc)
         return found
-
-    def classes_version(self) -> int:
-        """The registry version; a cheap value for workers to poll."""
-        return int(self._r.get(self.key("class", "version")) or 0)
 
     # -- live workers ------------------------------------------------------------
 

@@ -180,44 +180,24 @@ def reservable(
 ) -> tuple[MLRequirements, float]:
     """`ml.reserve`'s arguments checked: the requirements and the hold time to use."""
     if not isinstance(requirements, Mapping):
-        raise SpecError(
-            Violation(
-                "requirements",
-                f"is {type(requirements).__name__}",
-                _SECTION,
-                'pass a dict of ext_ml_* attributes, e.g. {"ext_ml_gpu_count": 8}',
-            )
-        )
+        example = 'pass a dict of ext_ml_* attributes, e.g. {"ext_ml_gpu_count": 8}'
+        raise _refused("requirements", f"is {type(requirements).__name__}", example)
     req, _mlx, _warnings = requirements_of(requirements, None, options)
     if req.ext_ml_reservation_id is not None:
-        raise SpecError(
-            Violation(
-                _ATTR,
-                "is set on a reservation's requirements",
-                _SECTION,
-                "leave it out: a reservation cannot sit inside another",
-            )
-        )
+        fix = "leave it out: a reservation cannot sit inside another"
+        raise _refused(_ATTR, "is set on a reservation's requirements", fix)
     if not any(amount for _name, amount in Demand.of(req).items()):
-        raise SpecError(
-            Violation(
-                "requirements",
-                "reserve nothing countable",
-                _SECTION,
-                "ask for GPUs, CPU cores, memory or TPU chips, e.g. ext_ml_gpu_count",
-            )
-        )
+        fix = "ask for GPUs, CPU cores, memory or TPU chips, e.g. ext_ml_gpu_count"
+        raise _refused("requirements", "reserve nothing countable", fix)
     timeout = timeout_s or req.ext_ml_reservation_timeout_s or settings.reservation_timeout_s
     if not isinstance(timeout, int | float) or not 0 < timeout <= settings.max_reservation_s:
-        raise SpecError(
-            Violation(
-                "timeout_s",
-                f"is {timeout!r}",
-                _SECTION,
-                f"use 0 < timeout_s <= ojs_ml_max_reservation_s ({settings.max_reservation_s})",
-            )
-        )
+        fix = f"use 0 < timeout_s <= ojs_ml_max_reservation_s ({settings.max_reservation_s})"
+        raise _refused("timeout_s", f"is {timeout!r}", fix)
     return req, float(timeout)
+
+
+def _refused(attr: str, problem: str, fix: str) -> SpecError:
+    return SpecError(Violation(attr, problem, _SECTION, fix))
 
 
 def pools_of(

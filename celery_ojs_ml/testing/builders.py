@@ -31,15 +31,9 @@ def worker_with(
     """
     gpu = None
     if gpus > 0:
-        gpu = GpuCapability.model_validate(
-            {
-                "type": gpu_type,
-                "count": gpus,
-                "memory_gb": memory_gb,
-                "compute_capability": cc,
-                "interconnect": interconnect,
-            }
-        )
+        fields = {"type": gpu_type, "count": gpus, "memory_gb": memory_gb}
+        more = {"compute_capability": cc, "interconnect": interconnect}
+        gpu = GpuCapability.model_validate({**fields, **more})
     loaded = [{"model_id": m, "model_version": v} for m, v in models or []]
     return Capabilities.model_validate(
         {

@@ -21,17 +21,18 @@ from typing import Any
 
 from celery_ojs_ml.errors import OJSMLError
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.producer.routing import HEADER_CLASS
+from celery_ojs_ml.spec.bounds import Bounds
 from celery_ojs_ml.spec.classes import class_id
-from celery_ojs_ml.spec.normalize import Bounds, normalize
+from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
-from celery_ojs_ml.worker.preemption import HEADER_PREEMPTIONS
+from celery_ojs_ml.wire import headers as h
 
-GATE_HEADERS = ("ojs_devices", "ojs_node", "ojs_pin", "ojs_lease")
+HEADER_CLASS = h.CLASS
+GATE_HEADERS = (h.DEVICES, h.NODE, h.PIN, h.LEASE)
 """Set by the gate on dispatch; a producer's values are forged and dropped."""
-COUNTERS = ("ojs_crashes", HEADER_PREEMPTIONS, "retries")
+COUNTERS = (h.CRASHES, h.PREEMPTIONS, "retries")
 """Counters the worker does arithmetic on later (re-publish, preemption cap)."""
-HEADER_LAST = "ojs_last_checkpoint"
+HEADER_LAST = h.LAST_CHECKPOINT
 _MAX_COUNTER = 1_000_000
 _CACHE_SIZE = 1024
 
@@ -40,8 +41,8 @@ class BadMessage(OJSMLError):
     """A message's OJS ML headers cannot be run; the reason says which and why."""
 
 
-class Admission:
-    """Validates ML messages for one worker, with that app's bounds."""
+class InboundCheck:
+    """Validates ML messages for one worker (or the leader's intake), with that app's bounds."""
 
     def __init__(self, bounds: Bounds, max_header_bytes: int) -> None:
         self.bounds = bounds

@@ -20,6 +20,12 @@ def intake_name(prefix: str) -> str:
     return f"{prefix}.ml.intake"
 
 
+def queue_name(logical: str, cid: str, band_name: str) -> str:
+    """`<logical queue>.ml.<class id>.<band>`: a per-class queue of versions before the fleet
+    scheduler; `celery ojs-ml explain` still finds jobs left in one."""
+    return f"{logical}.ml.{cid}.{band_name}"
+
+
 def ml_queue(name: str, *, declare: bool = True) -> Queue:
     """The one definition of a plugin queue, used by producers and workers alike.
 

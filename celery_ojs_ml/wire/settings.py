@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from celery_ojs_ml.checkpoint.model import RestoreMode
 from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.spec.bounds import Bounds
 from celery_ojs_ml.spec.envelope import ParseOptions
-from celery_ojs_ml.spec.normalize import Bounds
 from celery_ojs_ml.spec.policy import QueuePolicy
 
+RestoreMode = Literal["committed", "own_directory"]
+"""`ojs_ml_checkpoint_restore`: what an `ojs_last_checkpoint` header must be to be restored."""
 PREFIX = "ojs_ml_"
 _BOUND_FIELDS = tuple(Bounds.__dataclass_fields__)
 

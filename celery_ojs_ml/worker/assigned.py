@@ -14,21 +14,25 @@ job runs at most once per assignment:
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from celery.worker import state as worker_state
 
-from celery_ojs_ml.allocator import Allocation
-from celery_ojs_ml.leader.delivery import HEADER_ASSIGN, HEADER_VICTIMS
-from celery_ojs_ml.producer.routing import SCHEDULER_HEADERS
-
-if TYPE_CHECKING:
-    from celery_ojs_ml.worker.core import MLWorker
+from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.allocator.policy import is_victim
+from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.wire import headers as h
+from celery_ojs_ml.wire.records import stored_message
+from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker.preemption import Preemptions, grace_of
+from celery_ojs_ml.worker.running import Running
 
 log = logging.getLogger(__name__)
+HEADER_ASSIGN = h.ASSIGN
+HEADER_VICTIMS = h.VICTIMS
 
 
 def token_of(req: Any) -> str | None:
@@ -43,87 +47,118 @@ def victims_of(req: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in value) if isinstance(value, list) else ()
 
 
-def may_start(gate: MLWorker, req: Any, alloc: Allocation) -> bool:
-    """Claim the assignment for this run; False (message dropped) when it is stale."""
-    token = token_of(req)
-    if token is None:
+class Assignments:
+    """Runs each assignment at most once, or hands it back to the scheduler (module doc)."""
+
+    def __init__(
+        self,
+        hostname: str,
+        settings: OJSMLSettings,
+        allocator: Allocator,
+        running: Running,
+        preemptions: Preemptions,
+        wake_scheduler: Callable[[], None],
+    ) -> None:
+        self.hostname, self.settings, self.allocator = hostname, settings, allocator
+        self.running, self.preemptions, self.wake_scheduler = running, preemptions, wake_scheduler
+        self.book: PendingBook = None  # type: ignore[assignment]
+        self.lease_of: Callable[[str], Any] = lambda task_id: None
+
+    def open(self, book: PendingBook, lease_of: Callable[[str], Any]) -> None:
+        """At every consumer start: the pending set and the lease book to read."""
+        self.book, self.lease_of = book, lease_of
+
+    def may_start(self, req: Any, alloc: Allocation) -> bool:
+        """Claim the assignment for this run; False (message dropped) when it is stale."""
+        token = token_of(req)
+        if token is None:
+            return True
+        outcome = self.book.start(req.id, token, self.hostname)
+        if outcome == "again" and not self._alive(req.id):
+            log.warning(
+                "ojs-ml: %s is delivered again and holds no lease; running it again", req.id
+            )
+            return True
+        if outcome in ("stale", "again"):
+            log.warning("ojs-ml: %s was assigned elsewhere since; dropping this copy", req.id)
+            self.allocator.free(req)
+            drop(req)
+            return False
+        if outcome == "unknown":
+            log.warning("ojs-ml: the store has no record of %s's assignment; running it", req.id)
         return True
-    outcome = gate.book.start(req.id, token, gate.hostname)
-    if outcome == "again" and not _alive(gate, req.id):
-        log.warning("ojs-ml: %s is delivered again and holds no lease; running it again", req.id)
-        return True
-    if outcome in ("stale", "again"):
-        log.warning("ojs-ml: %s was assigned elsewhere since; dropping this copy", req.id)
-        gate.allocator.free(req)
+
+    def hold_for_victims(self, req: Any, grace_s: float) -> None:
+        """Tell the scheduler this worker holds the job while its victims yield."""
+        until = time.time() + grace_s + self.settings.max_hold_s
+        try:
+            self.book.hold(req.id, until)
+        except Exception as exc:
+            log.warning("ojs-ml: could not record the hold of %s: %s", req.id, exc)
+
+    def give_back(self, req: Any, reason: str) -> None:
+        """The assignment cannot run here: back to the scheduler with the reason; drop the
+        copy. A copy delivered *again* (its run started here, then died before its lease
+        was written, and the broker restored the message) is the job's only copy when no
+        lease shows that run alive: it goes back to the pending set with this message."""
+        token = token_of(req)
+        assert token is not None
+        why = f"assigned to {self.hostname}, which gave it back: {reason}"
+        book = self.book
+        try:
+            if (
+                not book.give_back(req.id, token, why)
+                and not self._alive(req.id)
+                and book.give_back(req.id, token, why, msg=message_of(req))
+            ):
+                log.warning("ojs-ml: %s was delivered again after its run died unleased", req.id)
+        except Exception as exc:  # the scheduler takes it back after the assignment timeout
+            log.warning("ojs-ml: could not give %s back: %s", req.id, exc)
+        log.info("ojs-ml: gave %s back to the scheduler: %s", req.id, reason)
         drop(req)
-        return False
-    if outcome == "unknown":
-        log.warning("ojs-ml: the store has no record of %s's assignment; running it", req.id)
-    return True
+        self.wake_scheduler()
+
+    def _alive(self, task_id: str) -> bool:
+        """Whether the first run of a copy delivered again may still be running: it holds
+        a lease, or it runs here (its lease write failed, so the broker kept its message
+        unacked and restored it after the visibility timeout)."""
+        return task_id in self.running.requests or self.lease_of(task_id) is not None
+        return task_id in self.running.requests or self.lease_of(task_id) is not None
+
+    def preempt_planned(self, req: Any, victims: tuple[str, ...]) -> float | None:
+        """Ask the victims the scheduler chose to yield; the longest grace, or None."""
+        band = band_of_request(req)
+        allow = self.settings.allow_on_demand_preemption
+        planned = [
+            a
+            for a in self.allocator.allocations()
+            if getattr(a.key, "id", None) in victims and is_victim(a, band, allow_on_demand=allow)
+        ]
+        if not planned:
+            return None
+        longest = 0.0
+        for alloc in planned:
+            grace = grace_of(alloc.key)
+            longest = max(longest, grace)
+            if alloc.key not in self.preemptions:
+                self.preemptions.preempt(alloc.key, grace)
+        return longest
 
 
-def hold_for_victims(gate: MLWorker, req: Any, grace_s: float) -> None:
-    """Tell the scheduler this worker holds the job while its victims yield."""
-    until = time.time() + grace_s + gate.settings.max_hold_s
-    try:
-        gate.book.hold(req.id, until)
-    except Exception as exc:
-        log.warning("ojs-ml: could not record the hold of %s: %s", req.id, exc)
-
-
-def give_back(gate: MLWorker, req: Any, reason: str) -> None:
-    """The assignment cannot run here: back to the scheduler with the reason; drop the copy.
-
-    A copy delivered *again* (its run started here, then died before its lease
-    was written, and the broker restored the message) is the job's only copy
-    when no lease shows that run alive: it goes back to the pending set with
-    this message, never dropped alone.
-    """
-    token = token_of(req)
-    assert token is not None
-    why = f"assigned to {gate.hostname}, which gave it back: {reason}"
-    try:
-        if (
-            not gate.book.give_back(req.id, token, why)
-            and not _alive(gate, req.id)
-            and gate.book.give_back(req.id, token, why, msg=message_of(req))
-        ):
-            log.warning("ojs-ml: %s was delivered again after its run died unleased", req.id)
-    except Exception as exc:  # the scheduler takes it back after the assignment timeout
-        log.warning("ojs-ml: could not give %s back: %s", req.id, exc)
-    log.info("ojs-ml: gave %s back to the scheduler: %s", req.id, reason)
-    drop(req)
-    gate.wake_scheduler()
-
-
-def _alive(gate: MLWorker, task_id: str) -> bool:
-    """Whether the first run of a copy delivered again may still be running: it holds a
-    lease, or it runs here (its lease write failed, so the broker kept its message unacked
-    and restored it after the visibility timeout)."""
-    return task_id in gate._requests or gate.leases.get(task_id) is not None
-
-
-_GATE_HEADERS = ("ojs_devices", "ojs_node", "ojs_pin", "ojs_lease", "ojs_gpu_share")
+_GATE_HEADERS = h.GATE
 """What the gate adds to a request's headers when it dispatches it (`Gate._dispatch`)."""
 
 
 def message_of(req: Any) -> dict[str, Any]:
     """A delivered request as the pending set stores a message (`Intake._on_message`)."""
-    body = req.body if isinstance(req.body, bytes) else str(req.body).encode()
-    skip = (*SCHEDULER_HEADERS, *_GATE_HEADERS)
+    skip = (*h.DELIVERY, *_GATE_HEADERS)
     headers = {k: v for k, v in req.request_dict.items() if k not in skip}
     properties = {
         "correlation_id": req.correlation_id,
         "reply_to": req.reply_to,
         "priority": (req.delivery_info or {}).get("priority"),
     }
-    return {
-        "body": base64.b64encode(body).decode(),
-        "content_type": req.content_type,
-        "content_encoding": req.content_encoding,
-        "headers": headers,
-        "properties": {k: v for k, v in properties.items() if v is not None},
-    }
+    return stored_message(req.body, req.content_type, req.content_encoding, headers, properties)
 
 
 def drop(req: Any) -> None:
@@ -134,28 +169,5 @@ def drop(req: Any) -> None:
 
 def band_of_request(req: Any) -> str:
     """The band the router put on the message (`ojs_band`)."""
-    value = req.request_dict.get("ojs_band")
+    value = req.request_dict.get(h.BAND)
     return value if isinstance(value, str) else "on-demand"
-
-
-def preempt_planned(gate: MLWorker, req: Any, victims: tuple[str, ...]) -> float | None:
-    """Ask the victims the scheduler chose to yield; the longest grace, or None (none here)."""
-    from celery_ojs_ml.allocator.policy import is_victim
-    from celery_ojs_ml.worker.preemption import grace_of
-
-    band = band_of_request(req)
-    allow = gate.settings.allow_on_demand_preemption
-    planned = [
-        a
-        for a in gate.allocator.allocations()
-        if getattr(a.key, "id", None) in victims and is_victim(a, band, allow_on_demand=allow)
-    ]
-    if not planned:
-        return None
-    longest = 0.0
-    for alloc in planned:
-        grace = grace_of(alloc.key)
-        longest = max(longest, grace)
-        if alloc.key not in gate.preemptions:
-            gate.preemptions.preempt(alloc.key, grace)
-    return longest

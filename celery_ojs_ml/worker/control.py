@@ -12,10 +12,11 @@ from typing import Any
 
 from celery.worker.control import control_command, inspect_command
 
+GATES: dict[str, Any] = {}
+"""Hostname -> the worker's consumer step (`core.MLWorker`), which these commands read."""
+
 
 def _gate(state: Any) -> Any:
-    from celery_ojs_ml.worker.core import GATES
-
     return GATES.get(state.hostname)
 
 
@@ -56,4 +57,5 @@ def ojs_ml_stop_rank(state: Any, task_id: str, placement: str, **_: Any) -> dict
     gate = _gate(state)
     if gate is None:
         return {"error": "no ojs-ml gate"}
-    return {"ok": "stopping" if stop_rank(gate, task_id, placement) else "not running here"}
+    stopped = stop_rank(gate.running, gate.stopper.stop_child, task_id, placement)
+    return {"ok": "stopping" if stopped else "not running here"}

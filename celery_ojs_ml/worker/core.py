@@ -1,25 +1,25 @@
-"""Worker side: capabilities, capacity-driven subscription and the dispatch gate.
+"""Worker side: the consumer bootstep that owns the worker's collaborators.
 
 Key decisions (research/celery-internals.md §1-§4):
-* One consumer bootstep owns everything per consumer (never process-wide):
-  queues are added and cancelled on the consumer's own task consumer and
-  reapplied in `start()`, which also runs after every reconnect.
+* One consumer bootstep per consumer (never process-wide), as Celery's own
+  consumer steps are; it builds its collaborators once and only wires them:
+  the gate (`gate`), lease keeping (`lease_keeping`), grants (`granted`),
+  assignments (`assigned`), preemption (`preemption`), the advertisement and
+  wake-ups (`advertising`), the queues (`subscription`) and reservations
+  (`reservations`). They share the per-job state in `running.Running`.
 * The gate wraps `consumer.on_task_request` in the step's `__init__`, before
-  strategies capture it. It allocates devices in the main process, hands them
-  to the child in `request_dict`, and frees them from instance-level
-  `on_success`/`on_failure`/`on_timeout` wrappers keyed by the Request object.
-* A worker consumes a (class, band) queue only while the class fits its free
-  capacity, so it never hoards jobs another worker could start now.
-* All gate state is guarded by one re-entrant lock: under prefork everything
-  runs on the event loop anyway, but under the threads pool (and the embedded
-  demo) completions arrive on pool threads and timers on the timer thread.
+  strategies capture it. `start()` opens the collaborators on the store and the
+  event loop; it runs again after every reconnect.
+* The worker imports no other side: `plugin.py` hands it the pool children's
+  state (`setup.PoolChildren`) and the leader candidate's starter (`install`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -28,38 +28,54 @@ from celery import Celery, bootsteps, signals
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
-from celery_ojs_ml.leader.loop import send_wake
-from celery_ojs_ml.leader.process import start_candidate
-from celery_ojs_ml.spec.resources import MLRequirements
-from celery_ojs_ml.store import broker as redis_intake
-from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
+from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.pending import PendingBook
-from celery_ojs_ml.store.reservations import ReservationBook
-from celery_ojs_ml.wire.inbound import Admission
+from celery_ojs_ml.wire.inbound import InboundCheck
 from celery_ojs_ml.wire.queues import intake_name, worker_queue_name
-from celery_ojs_ml.worker.advertising import Advertising
+from celery_ojs_ml.worker import celery_internals as internals
+from celery_ojs_ml.worker.advertising import Advertiser
+from celery_ojs_ml.worker.assigned import Assignments
+from celery_ojs_ml.worker.control import GATES as GATES  # importing it registers the commands
 from celery_ojs_ml.worker.gangs import primary_address
+from celery_ojs_ml.worker.gate import Gate
+from celery_ojs_ml.worker.granted import Grants
+from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions
-from celery_ojs_ml.worker.setup import (
-    _child_init,
-    _child_postrun,
-    _child_prerun,
-    plain_running,
-    pool_processes,
-)
+from celery_ojs_ml.worker.reservations import ReservationHolder
+from celery_ojs_ml.worker.running import Running
+from celery_ojs_ml.worker.setup import PoolChildren, plain_running
 from celery_ojs_ml.worker.setup import capabilities_for as capabilities_for
 from celery_ojs_ml.worker.setup import (
     configure_child_recycling as configure_child_recycling,
 )
 from celery_ojs_ml.worker.setup import is_prefork as is_prefork
 from celery_ojs_ml.worker.setup import nvlink_peers_for as nvlink_peers_for
+from celery_ojs_ml.worker.stopping import ChildStopper
+from celery_ojs_ml.worker.subscription import Subscription
+from celery_ojs_ml.worker.warm_pool import Router
 
 log = logging.getLogger(__name__)
-GATES: dict[str, MLWorker] = {}
+StartCandidate = Callable[..., Any]
+"""`start_candidate(app, hostname, thread=...)`: a running leader candidate with `stop()`."""
 
 
-def install(app: Celery) -> None:
-    """Register the worker option, the consumer bootstep and the child hooks."""
+class Wiring:
+    """What `plugin.py` hands the worker of the other sides (see module doc)."""
+
+    def __init__(self, children: PoolChildren, start_candidate: StartCandidate | None) -> None:
+        self.children, self.start_candidate = children, start_candidate
+
+
+_WIRING: weakref.WeakKeyDictionary[Celery, Wiring] = weakref.WeakKeyDictionary()
+
+
+def install(
+    app: Celery, *, children: PoolChildren, start_candidate: StartCandidate | None = None
+) -> None:
+    """Register the worker option, the consumer bootstep, child recycling and the
+    control commands. `children`: the pool children's state (`child.hooks.POOL_CHILDREN`);
+    `start_candidate`: starts a leader candidate (`leader.process.start_candidate`)."""
+    _WIRING[app] = Wiring(children, start_candidate)
     app.user_options["worker"].add(
         click.Option(
             ["--ojs-ml-capabilities"],
@@ -68,14 +84,14 @@ def install(app: Celery) -> None:
         )
     )
     app.steps["consumer"].add(MLWorker)
-    signals.task_prerun.connect(_child_prerun, weak=False)  # pins the devices
-    signals.task_postrun.connect(_child_postrun, weak=False)  # unpins; stores gang ranks
-    signals.celeryd_init.connect(configure_child_recycling, weak=False)
-    signals.worker_process_init.connect(_child_init, weak=False)
-    from celery_ojs_ml.worker import control  # noqa: F401  (registers the commands)
+
+    def recycling(**kwargs: Any) -> None:
+        configure_child_recycling(children=children, **kwargs)
+
+    signals.celeryd_init.connect(recycling, weak=False)
 
 
-class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
+class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     """Capabilities, advertisement, subscription and the gate of one consumer."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -83,11 +99,9 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, c: Any, ojs_ml_capabilities: str | None = None, **kwargs: Any) -> None:
         super().__init__(c, **kwargs)
-        self.c = c
-        self.app = c.app
+        self.c, self.app = c, c.app
+        self.wiring = _WIRING.get(self.app)
         self.settings = self.app.ojs_ml.settings
-        self.bounds = self.settings.parse_options().bounds
-        self.admission = Admission(self.bounds, self.settings.max_header_bytes)
         self.caps: Capabilities = capabilities_for(ojs_ml_capabilities)
         if self.settings.model_registry_access and not self.caps.model_registry_access:
             self.caps = self.caps.model_copy(update={"model_registry_access": True})
@@ -99,49 +113,49 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
             gpu_sharing=self.settings.gpu_sharing != "off",
             nvlink_peers=nvlink_peers_for(ojs_ml_capabilities, self.caps),
         )
-        self.preemptions = Preemptions(self)
-        self.hold_until: dict[Any, float] = {}
-        self._wanted: dict[Any, frozenset[str]] = {}
-        self._declared: set[str] = set()
-        self._bound: dict[str, Any] = {}
-        self._pump_due = False
         self.hostname = str(c.hostname)
-        self.subscribed: set[str] = set()
-        self.classes: dict[str, tuple[MLRequirements, list[tuple[str, str]]]] = {}
-        """class id -> (requirements, the (logical queue, band) routes it was published on)."""
-        self.version = -1
-        self._bad_classes: set[str] = set()
-        self.logical: frozenset[str] = frozenset()
-        """The worker's own (non-ML) queues: it takes ML jobs of these logical queues only."""
-        self.lock = threading.RLock()
-        self.incarnation = uuid.uuid4().hex
-        self.tokens: dict[Any, str] = {}
-        self.fenced: set[Any] = set()
-        """Requests whose lease another worker took over; their copy is being stopped."""
-        self.stopping: set[Any] = set()
-        """Gang ranks being stopped because a peer of their placement failed (`gangs`)."""
-        self.unacked: dict[Any, bool] = {}
-        """Running requests whose lease write failed: their message is acked when they end."""
-        self._timers: list[Any] = []
-        self.own_queue = worker_queue_name(self.settings.store_prefix, self.hostname)
-        self.address = self.settings.advertise_address or primary_address()
-        """MASTER_ADDR for gangs whose rank 0 runs here (`ojs_ml_advertise_address`)."""
+        self.running = Running()
         self.scheduler: Any = None
-        """The scheduler candidate: a `FleetScheduler` thread or a `CandidateProcess`."""
-        self._wake_due = False
-        self._caps_doc: dict[str, Any] | None = None
-        self._plain_advertised = 0
-        self._wake_list: str | None = None
-        self.router: Any = None
-        """The warm-children router (`warm_pool.Router`); None where it does not run."""
-        self.devices_by_id: dict[str, tuple[int, ...]] = {}
-        self._requests: dict[str, Any] = {}
-        self.child_models: dict[int, dict[str, Any]] = {}
-        """Pool child pid -> {devices, models} it holds (`child.models`)."""
-        """Devices of each dispatched job, for the router (dropped at release)."""
-        self._orig_handler = c.on_task_request
-        c.on_task_request = self.on_task_request
+        """The leader candidate (`install(start_candidate=...)`), once started."""
+        self._timers: list[Any] = []
+        self._build()
         GATES[self.hostname] = self
+
+    def _build(self) -> None:
+        """The collaborators, each given what it uses."""
+        s, c, running, lock = self.settings, self.c, self.running, self.running.lock
+        admission = InboundCheck(s.parse_options().bounds, s.max_header_bytes)
+        self.stopper = ChildStopper(c, self.prefork, running)
+        self.preemptions = Preemptions(
+            self.app, c, s, self.allocator, self.stopper.kill_child, self.prefork
+        )
+        self.leases = LeaseKeeper(
+            self.app, s, self.allocator, running, self.preemptions, self.stopper,
+            self.hostname, uuid.uuid4().hex,
+        )  # fmt: skip
+        self.grants = Grants(self.app, c, s, self.hostname, self.allocator, running, self.caps)
+        address = s.advertise_address or primary_address()  # MASTER_ADDR of gangs led here
+        self.advertiser = Advertiser(
+            self.app, c, s, self.caps, self.allocator, lock, self.hostname, address, self.prefork
+        )
+        self.subscription = Subscription(c, lock, worker_queue_name(s.store_prefix, self.hostname))
+        self.advertiser.logical = lambda: self.subscription.logical
+        self.advertiser.granted_started_at = self.grants.granted_started_at
+        self.assignments = Assignments(
+            self.hostname, s, self.allocator, running, self.preemptions,
+            self.advertiser.wake_scheduler,
+        )  # fmt: skip
+        self.reservations = ReservationHolder(
+            self.hostname, self.allocator, lock, admission.parse, self._capacity_back
+        )
+        self.gate = Gate(
+            c, s, self.caps, admission, self.allocator, running,
+            hostname=self.hostname, prefork=self.prefork, preemptions=self.preemptions,
+            grants=self.grants, assignments=self.assignments, leases=self.leases,
+            resubscribe=self.subscription.resubscribe, hold_reservations=self.reservations.hold,
+            wake_scheduler=self.advertiser.wake_scheduler,
+            holds_model=self.advertiser.holds_model,
+        )  # fmt: skip
 
     def _check_pool(self) -> None:
         if self.prefork or not self.caps.gpu_count:
@@ -158,118 +172,90 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, c: Any) -> None:
-        s = self.settings
-        self.store = self.app.ojs_ml.store
-        self.book = PendingBook(self.store)
-        self.reservations = ReservationBook(self.store)
-        self.leases = LeaseBook(self.store, s.lease_ttl_s)
-        self.writer = LeaseWriter(
-            self.leases,
-            self._deferrer(c),
-            getattr(c, "hub", None),
-            busy_delay_s=s.lease_write_delay_ms / 1000,
-        )
-        self._wake_list = redis_intake.wake_list(self.app, intake_name(s.store_prefix))
-        self.recover_own()
-        self.init_grants()
-        with self.lock:
-            self.version, self._wanted, self._declared, self._bound = -1, {}, set(), {}
-            self.subscribed = {q.name for q in c.task_consumer.queues if ".ml." in q.name}
-            self.logical = self._own_queues()
-            self.refresh()
-        self.advertise(wake=self._wake_item())  # a worker joining is capacity for the leader
-        self._open_prefetch(c)
+        self._open(c)
+        self.leases.recover_own()
+        self.grants.open(self.store)
+        self.subscription.open(c)
+        self.refresh()
+        wake = self.advertiser.wake_item()
+        self.advertiser.advertise(wake=wake)  # a worker joining is capacity for the leader
+        self.grants.open_prefetch(c)
         self._start_scheduler()
+        self._start_timers(c)
+        self._check_concurrency(getattr(c.pool, "limit", None))
+        log.info("ojs-ml: %s", self.banner())
+
+    def _open(self, c: Any) -> None:
+        """The store, and the lease writer on this event loop, for every collaborator."""
+        store = self.store = self.app.ojs_ml.store
+        hub = getattr(c, "hub", None)
+        self.leases.open(store, _deferrer(hub), hub)
+        self.gate.store = store
+        leases = self.leases
+        self.assignments.open(PendingBook(store), lambda task_id: leases.leases.get(task_id))
+        self.reservations.open(store)
+        wake_list = broker.wake_list(self.app, intake_name(self.settings.store_prefix))
+        self.advertiser.open(
+            store, wake_list, lambda cmds, again: self.leases.writer.fire(cmds, again)
+        )
+
+    def _start_timers(self, c: Any) -> None:
+        s = self.settings
         self._timers = [
             c.timer.call_repeatedly(s.subscription_poll_s, self.refresh),
             c.timer.call_repeatedly(s.heartbeat_s, self._heartbeat),
-            c.timer.call_repeatedly(s.heartbeat_s, self.tend_leases),
+            c.timer.call_repeatedly(s.heartbeat_s, self.leases.tend_leases),
             c.timer.call_repeatedly(
-                min(0.25, s.max_hold_s / 4, s.grant_wait_s / 4), self.expire_holds
+                min(0.25, s.max_hold_s / 4, s.grant_wait_s / 4), self.gate.expire_holds
             ),
         ]
-        maintain = getattr(c.pool, "maintain_pool", None)
+        maintain = internals.maintain_pool(c)
         if self.prefork and self.caps.gpu_count and maintain is not None:
             # Children are recycled after every GPU task; billiard replaces them on its
             # own 5 s timer when an exit is missed, so look more often (cheap when idle).
             self._timers.append(c.timer.call_repeatedly(0.2, maintain))
-        self._check_concurrency(getattr(c.pool, "limit", None))
-        log.info("ojs-ml: %s", self.banner())
-
-    def _open_prefetch(self, c: Any) -> None:
-        """Room in the consumer's QoS for the jobs the leader prefetches (`ojs_ml_prefetch`).
-
-        A running ML job keeps its message unacked until its lease is written
-        (`_take_lease`; a short job, until it ends), so with every prefetch slot
-        taken by running jobs a prefetched message would only be read once a job
-        ended, too late to start without a gap. `c.qos` is new after every
-        consumer (re)start, hence here. A grant holder keeps only part of the raise, or
-        none (`Granted.sync_prefetch`)."""
-        self.c, self.prefetch_raise = c, 0
-        self.sync_prefetch()
 
     def _start_scheduler(self) -> None:
         """Run a candidate for the fleet scheduler lock (`ojs_ml_scheduler`)."""
-        if self.settings.scheduler == "off" or self.scheduler is not None:
+        start = self.wiring.start_candidate if self.wiring is not None else None
+        if self.settings.scheduler == "off" or self.scheduler is not None or start is None:
             return
         thread = self.settings.scheduler == "thread"
-        self.scheduler = start_candidate(self.app, self.hostname, thread=thread)
+        self.scheduler = start(self.app, self.hostname, thread=thread)
 
-    def wake_scheduler(self) -> None:
-        """Capacity was freed or given back: advertise it, then wake the scheduler (coalesced)."""
-        hub = getattr(self.c, "hub", None)
-        if hub is not None and threading.current_thread() is threading.main_thread():
-            if not self._wake_due:
-                self._wake_due = True
-                hub.call_soon(self._wake_now)
-        else:
-            self._wake_now()
+    def refresh(self) -> None:
+        """The subscription poll: reservations placed here, then the queues."""
+        self.reservations.hold()
+        self.subscription.refresh()
 
-    def _wake_now(self) -> None:
-        self._wake_due = False
-        wake = self._wake_item()
-        if wake is not None:  # one round trip: advertisement and wake-up
-            if threading.current_thread() is not threading.main_thread():
-                self.advertise(wake=wake)  # the writer's connection belongs to the loop
-                return
-
-            def again() -> None:
-                self.advertise(wake=wake)
-
-            self.advertise(wake=wake, send=lambda cmds: self.writer.fire(cmds, again))
-            return
-        self.advertise()
-        try:
-            send_wake(self.app, self.hostname)
-        except Exception as exc:  # the scheduler also passes on its own interval
-            log.warning("ojs-ml: could not wake the scheduler: %s", exc)
+    def _capacity_back(self) -> None:
+        """A reservation gave capacity back: held jobs may fit now."""
+        self.gate.pump()
+        self.advertiser.wake_scheduler()
 
     def _heartbeat(self) -> None:
         """The periodic advertisement; one that reports a change in the plain tasks
         running here also wakes the scheduler (`plain_changed`)."""
-        if self.plain_changed():
-            self._wake_now()
+        if self.advertiser.plain_changed():
+            self.advertiser.wake_now()
         else:
-            self.advertise()
-        if self._grants_on:
-            self.read_grants()
-            self.return_revoked()
+            self.advertiser.advertise()
+        if self.grants.on:
+            self.grants.read_grants()
+            self.grants.return_revoked()
 
-    def _wake_item(self) -> tuple[str, bytes] | None:
-        """A wake-up for the store's own client (`redis_intake.wake_list`); None where
-        it goes through kombu."""
-        if self._wake_list is None:
-            return None
-        return self._wake_list, redis_intake.wake_message(self.hostname)
+    def register_with_event_loop(self, c: Any, hub: Any) -> None:
+        """After the pool wrote its handlers into the hub, before the loop starts (and again
+        on every consumer restart): wrap the pool's write scheduler (`warm_pool`)."""
+        children = self.wiring.children if self.wiring is not None else None
+        if children is not None and children.mode() == "warm" and self.prefork:
+            gate = self.gate
+            gate.router = Router.install(c, gate.devices_by_id.get, gate.move, children.table())
 
     def _check_concurrency(self, limit: Any) -> None:
-        """Warn when the pool has fewer processes than the worker has GPUs.
-
-        The gate hands out every free GPU, but a job only runs when a pool
-        process is free: with `-c 2` on an 8-GPU worker, six jobs would hold
-        GPUs while they wait for a process, and other workers could not take
-        them.
-        """
+        """Warn when the pool has fewer processes than the worker has GPUs: the gate hands
+        out every free GPU, but a job only runs when a pool process is free, so jobs
+        beyond the processes would hold GPUs other workers could use."""
         gpus = self.caps.gpu_count
         if gpus and isinstance(limit, int) and 0 < limit < gpus:
             log.warning(
@@ -282,44 +268,22 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
                 gpus,
             )
 
-    @staticmethod
-    def _deferrer(c: Any) -> Any:
-        """Run a lease flush `delay_s` from now on the event loop; None without one.
-
-        The loop hands a dispatched job to its pool child on the poll that
-        follows the dispatch, so a flush due a few milliseconds later runs
-        after that hand-off: the lease round trip stays off the task's start,
-        and every take and release in between share one round trip
-        (`leases.LeaseWriter` picks 2 ms on an idle worker, `ojs_ml_lease_write_delay_ms`
-        on a busy one).
-        A timer (not `call_soon` twice) bounds the delay: the loop may sleep
-        in its poll for up to a second before it runs a second `call_soon`.
-        """
-        hub = getattr(c, "hub", None)
-        if hub is None:
-            return None
-        return lambda fn, delay_s: hub.call_later(delay_s, fn)
-
     def stop(self, c: Any) -> None:
         for timer in self._timers:
             timer.cancel()
         self._timers = []
-        writer = getattr(self, "writer", None)
-        if writer is not None:
-            with self.lock:
-                writer.flush(wait=True)
-                writer.close()
-        with self.lock:
+        self.leases.close()
+        with self.running.lock:
             for pending in self.allocator.held():
                 self.allocator.cancel(pending.key)
-                self._leave_hold(pending.key)
-            self.subscribed = set()
+                self.gate.leave_hold(pending.key)
+        self.subscription.close()
 
     def shutdown(self, c: Any) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
         try:
-            self.store.forget_worker(self.hostname)
+            self.app.ojs_ml.store.forget_worker(self.hostname)
         except Exception:  # the store may already be gone at shutdown
             log.debug("ojs-ml: could not deregister %s", self.hostname)
         GATES.pop(self.hostname, None)
@@ -342,14 +306,29 @@ class MLWorker(Advertising, bootsteps.StartStopStep):  # type: ignore[misc]
     def snapshot(self) -> dict[str, Any]:
         """Capabilities, free capacity, allocations, held jobs, subscribed queues, the
         pool's processes and the plain Celery tasks running in it."""
-        with self.lock:
+        with self.running.lock:
             alloc = self.allocator.snapshot()
             return {
                 "capabilities": capabilities_to_dict(self.caps)["capabilities"],
                 "labels": self.caps.derived_labels(),
                 "allocator": alloc,
-                "queues": sorted(self.subscribed),
+                "queues": sorted(self.subscription.subscribed),
                 "pinning": self.prefork,
-                "processes": pool_processes(getattr(self, "c", None)),
+                "processes": internals.pool_processes(self.c),
                 "plain_running": plain_running(alloc["allocations"]),
             }
+
+
+def _deferrer(hub: Any) -> Any:
+    """Run a lease flush `delay_s` from now on the event loop; None without one.
+
+    The loop hands a dispatched job to its pool child on the poll that follows
+    the dispatch, so a flush due a few milliseconds later runs after that
+    hand-off: the lease round trip stays off the task's start, and every take
+    and release in between share one round trip (`leases.LeaseWriter`). A timer
+    (not `call_soon` twice) bounds the delay: the loop may sleep in its poll for
+    up to a second before it runs a second `call_soon`.
+    """
+    if hub is None:
+        return None
+    return lambda fn, delay_s: hub.call_later(delay_s, fn)

@@ -1,16 +1,15 @@
 """The worker's dispatch gate: allocate, pin, dispatch, release, hold (RFC 27 per worker).
 
-A mixin of `worker.MLWorker`, split out of it to keep modules small; every
-attribute below is set by `MLWorker.__init__`/`start`, and the methods it calls
-on the rest of the worker are declared as callables here.
-
-Key decisions (see `worker`'s module doc):
-* The gate wraps `consumer.on_task_request`; it allocates devices in the main
-  process and hands them to the child in `request_dict`.
+Key decisions:
+* The gate wraps `consumer.on_task_request` in the step's `__init__`, before
+  strategies capture it; it allocates devices in the main process and hands them
+  to the child in `request_dict`.
 * A job that does not fit now is held (or given back to the scheduler with a
-  reason); one that can never run here is refused with the reason.
+  reason); one that can never run here is refused with the reason (`refusal`).
 * Devices are freed from instance-level `on_success`/`on_failure`/`on_timeout`
   wrappers keyed by the Request object, then held jobs are pumped.
+* Per job, nothing is looked up through another layer: what the gate calls on
+  its collaborators is bound once, when the gate is built.
 """
 
 from __future__ import annotations
@@ -19,65 +18,73 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-from celery import Celery
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.child import pinning as child
-from celery_ojs_ml.child.sharing import HEADER_SHARE, share_info
-from celery_ojs_ml.leader.delivery import HEADER_PREFETCH
-from celery_ojs_ml.producer.routing import HEADER_PENDING
 from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.spec.resources import MLRequirements
-from celery_ojs_ml.store.deadletter import dead_letter
-from celery_ojs_ml.store.leases import republish_headers
 from celery_ojs_ml.store.registry import OJSStore
-from celery_ojs_ml.wire.inbound import Admission, BadMessage
+from celery_ojs_ml.wire.headers import DEVICES, NODE, PENDING, PIN, PREFETCH, RENDEZVOUS, SHARE
+from celery_ojs_ml.wire.inbound import BadMessage, InboundCheck
 from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
-from celery_ojs_ml.worker import assigned, granted, warm_pool
-from celery_ojs_ml.worker.gangs import HEADER_RENDEZVOUS
-from celery_ojs_ml.worker.lease_keeping import LeaseKeeping
+from celery_ojs_ml.worker.assigned import Assignments, token_of, victims_of
+from celery_ojs_ml.worker.granted import Grants, epoch_of
+from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions
-
-if TYPE_CHECKING:
-    from celery_ojs_ml.worker.core import MLWorker
+from celery_ojs_ml.worker.refusal import refuse
+from celery_ojs_ml.worker.running import Running
+from celery_ojs_ml.worker.sharing import share_info
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
 
 
-class Gate(LeaseKeeping, granted.Granted):
+class Gate:
     """The gate of one consumer (see module doc)."""
 
-    app: Celery
-    c: Any
-    caps: Capabilities
-    settings: OJSMLSettings
-    store: OJSStore
-    allocator: Allocator
-    admission: Admission
-    preemptions: Preemptions
-    hostname: str
-    prefork: bool
-    lock: threading.RLock
-    hold_until: dict[Any, float]
-    devices_by_id: dict[str, tuple[int, ...]]
-    router: Any
-    _requests: dict[str, Any]
-    _pump_due: bool
-    _orig_handler: Callable[[Any], Any]
-    resubscribe: Callable[[], None]
-    hold_reservations: Callable[[], None]
-    wake_scheduler: Callable[[], None]
-    _holds_model: Callable[[MLRequirements], Any]
+    def __init__(
+        self,
+        consumer: Any,
+        settings: OJSMLSettings,
+        caps: Capabilities,
+        admission: InboundCheck,
+        allocator: Allocator,
+        running: Running,
+        *,
+        hostname: str,
+        prefork: bool,
+        preemptions: Preemptions,
+        grants: Grants,
+        assignments: Assignments,
+        leases: LeaseKeeper,
+        resubscribe: Callable[[], None],
+        hold_reservations: Callable[[], None],
+        wake_scheduler: Callable[[], None],
+        holds_model: Callable[[MLRequirements], Any],
+    ) -> None:
+        self.c, self.settings, self.caps, self.admission = consumer, settings, caps, admission
+        self.allocator, self.lock, self.hold_until = allocator, running.lock, running.hold_until
+        self.requests, self.devices_by_id = running.requests, running.devices_by_id
+        self.running = running
+        self.hostname, self.prefork = hostname, prefork
+        self.preemptions, self.grants, self.assignments = preemptions, grants, assignments
+        self._take_lease, self._failing = leases.take_lease, leases.failing
+        self._ack, self._release_lease = leases.ack, leases.release_lease
+        self.resubscribe, self.hold_reservations = resubscribe, hold_reservations
+        self.wake_scheduler, self.holds_model = wake_scheduler, holds_model
+        self.store: OJSStore = None  # type: ignore[assignment]
+        self.router: Any = None
+        """The warm-children router (`warm_pool.Router`); None where it does not run."""
+        self._pump_due = False
+        self._orig_handler: Callable[[Any], Any] = consumer.on_task_request
+        consumer.on_task_request = self.on_task_request
 
-    @property
-    def worker(self) -> MLWorker:
-        """This gate as the whole worker (the one class that mixes it in)."""
-        return cast("MLWorker", self)
+    def refuse(self, req: Any, reason: str) -> None:
+        """Dead-letter, fail and drop a message the gate cannot run (`refusal`)."""
+        refuse(self.store, self.hostname, self.settings.max_header_bytes, req, reason)
 
     def on_task_request(self, req: Any) -> Any:
         headers = req.request_dict
@@ -97,12 +104,12 @@ class Gate(LeaseKeeping, granted.Granted):
 
     def _gate(self, req: Any, ml: MLRequirements) -> Any:
         headers = req.request_dict
-        epoch = granted.epoch_of(req)
+        epoch = epoch_of(req)
         if epoch is not None:
             return self._gate_granted(req, ml, epoch)
-        token = assigned.token_of(req)
-        if self.mine and token is not None:
-            self.recheck_grants()  # assignments flow again: were the grants revoked?
+        token = token_of(req)
+        if self.grants.mine and token is not None:
+            self.grants.recheck_grants()  # assignments flow again: were the grants revoked?
         rid = ml.ext_ml_reservation_id
         if rid is not None and rid not in self.allocator.pools:
             self.hold_reservations()  # placed since the last refresh?
@@ -120,19 +127,19 @@ class Gate(LeaseKeeping, granted.Granted):
     def _gate_granted(self, req: Any, ml: MLRequirements, epoch: str) -> Any:
         """A job published under a grant (`worker.granted`): run it while the grant
         is this worker's, else give it back to the intake."""
-        if not self.grant_current(epoch):
-            self.give_back_granted(req, "its class's grant ended")
+        if not self.grants.grant_current(epoch):
+            self.grants.give_back_granted(req, "its class's grant ended")
             return None
         with self.lock:
             outcome = self._try_alloc(req, ml)
             if isinstance(outcome, Allocation):
-                self.granted_started = time.monotonic()
+                self.grants.granted_started = time.monotonic()
                 return self._dispatch(req, outcome)
-            first = isinstance(outcome, Pending) and self.hold_granted(req, outcome)
+            first = isinstance(outcome, Pending) and self.grants.hold_granted(req, outcome)
         if isinstance(outcome, Denied):
-            self.give_back_granted(req, f"it cannot run here: {outcome.reason}")
+            self.grants.give_back_granted(req, f"it cannot run here: {outcome.reason}")
         elif first:  # the leader sees the backlog (room elsewhere ends the grant)
-            self.worker.wake_scheduler()
+            self.wake_scheduler()
         return None
 
     def _try_alloc(self, req: Any, ml: MLRequirements) -> Allocation | Pending | Denied:
@@ -149,22 +156,16 @@ class Gate(LeaseKeeping, granted.Granted):
 
     def _warm_sets(self, ml: MLRequirements) -> list[tuple[int, ...]]:
         """Device sets idle warm children are bound to (`warm_pool`), model holders first."""
-        return self.router.idle_bound(self._holds_model(ml)) if self.router else []
+        return self.router.idle_bound(self.holds_model(ml)) if self.router else []
 
-    def register_with_event_loop(self, c: Any, hub: Any) -> None:
-        """After the pool wrote its handlers into the hub, before the loop starts (and again
-        on every consumer restart): wrap the pool's write scheduler (`warm_pool`)."""
-        if child.RECYCLE["mode"] == "warm" and self.prefork:
-            self.router = warm_pool.Router.install(c, self.devices_by_id.get, self._move)
-
-    def _move(
+    def move(
         self, task_id: str, devices: tuple[int, ...], written: Callable[[str], bool]
     ) -> dict[str, tuple[int, ...]]:
         """The router moves a dispatched job onto an idle warm child's devices: free ones,
         or those of a job no child has taken yet (`written` says which), which gets the
         first job's devices in exchange. The jobs whose devices changed; {} if none."""
         with self.lock:
-            req = self._requests.get(task_id)
+            req = self.requests.get(task_id)
             if req is None:
                 return {}
             if self.allocator.move(req, devices) is not None:
@@ -175,59 +176,29 @@ class Gate(LeaseKeeping, granted.Granted):
                      if d == devices and t != task_id and not written(t)),
                     None,
                 )  # fmt: skip
-                peer = None if other is None else self._requests.get(other)
+                peer = None if other is None else self.requests.get(other)
                 if other is None or peer is None or self.allocator.swap(req, peer) is None:
                     return {}
                 moved = {task_id: devices, other: self.devices_by_id[task_id]}
             for moved_id, moved_to in moved.items():
                 self.devices_by_id[moved_id] = moved_to
-                self._requests[moved_id].request_dict["ojs_devices"] = list(moved_to)
+                self.requests[moved_id].request_dict[DEVICES] = list(moved_to)
         return moved
 
     def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
         """A scheduled job that does not fit: preempt the planned victims, else give it back."""
-        if isinstance(outcome, Pending) and req.request_dict.get(HEADER_PREFETCH):
+        if isinstance(outcome, Pending) and req.request_dict.get(PREFETCH):
             # delivered ahead of capacity: wait here, start as soon as a job ends
             self.hold_until[req] = time.monotonic() + self.settings.assignment_timeout_s - 1
             return self._handle(req, outcome)
-        victims = assigned.victims_of(req)
-        grace = assigned.preempt_planned(self.worker, req, victims) if victims else None
+        victims = victims_of(req)
+        grace = self.assignments.preempt_planned(req, victims) if victims else None
         if isinstance(outcome, Pending) and grace is not None:
             self.hold_until[req] = time.monotonic() + grace + self.settings.max_hold_s
-            assigned.hold_for_victims(self.worker, req, grace)
+            self.assignments.hold_for_victims(req, grace)
             return self._handle(req, outcome)
-        assigned.give_back(self.worker, req, outcome.reason)
+        self.assignments.give_back(req, outcome.reason)
         return None
-
-    def refuse(self, req: Any, reason: str) -> None:
-        """End a message the gate cannot run: dead-letter it with the reason, fail it, drop it.
-
-        The job is kept (`celery ojs-ml dead` lists it, `dead --retry` re-publishes
-        it), its caller sees a failure instead of waiting forever, and the
-        worker carries on with the next message.
-        """
-        log.error("ojs-ml: refusing %s[%s]: %s", req.name, req.id, reason)
-        headers = republish_headers(req.request_dict)
-        if len(repr(headers)) > 2 * self.settings.max_header_bytes:
-            headers = {}  # an oversized header is not copied into the store
-        record = {
-            "task_id": req.id,
-            "name": req.name,
-            "args": list(req.args),
-            "kwargs": dict(req.kwargs),
-            "headers": headers,
-            "retries": 0,
-        }
-        for step in (
-            lambda: dead_letter(self.store, record, f"refused by {self.hostname}: {reason}"),
-            lambda: refused_result(req, reason),
-        ):
-            try:
-                step()
-            except Exception as exc:
-                log.warning("ojs-ml: while refusing %s: %s", req.id, exc)
-        worker_state.task_ready(req)
-        req.reject(requeue=False)
 
     def _handle(self, req: Any, outcome: Allocation | Pending | Denied) -> Any:
         if isinstance(outcome, Allocation):
@@ -245,29 +216,29 @@ class Gate(LeaseKeeping, granted.Granted):
         return None
 
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
-        if not assigned.may_start(self.worker, req, alloc):
+        if not self.assignments.may_start(req, alloc):
             # A stale copy was dropped and its allocation freed: the jobs held behind it
             # may fit now, and no release will pump them (none may be running here).
             self._pump_soon()
             return None
         headers = req.request_dict
-        if headers.get(HEADER_PREFETCH):
+        if headers.get(PREFETCH):
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
-        headers["ojs_devices"] = list(alloc.devices)
+        headers[DEVICES] = list(alloc.devices)
         if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
-            headers[HEADER_SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
+            headers[SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
         self.devices_by_id[req.id] = tuple(alloc.devices)
-        self._requests[req.id] = req
-        headers["ojs_node"] = self.hostname
-        headers["ojs_pin"] = self.prefork
-        if HEADER_RENDEZVOUS in headers:  # a gang rank's failure re-places its gang:
+        self.requests[req.id] = req
+        headers[NODE] = self.hostname
+        headers[PIN] = self.prefork
+        if RENDEZVOUS in headers:  # a gang rank's failure re-places its gang:
             headers["ignore_result"] = True  # no FAILURE stored (see worker.gangs)
         req.on_failure = self._failing(req, req.on_failure)
         for name in ("on_success", "on_failure"):
             setattr(req, name, self._releasing(req, getattr(req, name)))
         req.on_timeout = self._timeout_releasing(req, req.on_timeout)
-        if headers.get(HEADER_PENDING):
+        if headers.get(PENDING):
             self._clear_pending(req.id)
         self._take_lease(req, alloc)
         self.resubscribe()
@@ -304,24 +275,25 @@ class Gate(LeaseKeeping, granted.Granted):
         self.devices_by_id.pop(req.id, None)
         if self.router is not None:
             self.router.finished(req.id)
-        self._requests.pop(req.id, None)
+        self.requests.pop(req.id, None)
         _unwrap(req)
+        running = self.running
         with self.lock:
-            self.fenced.discard(req)
-            self.stopping.discard(req)
+            running.fenced.discard(req)
+            running.stopping.discard(req)
             if self.allocator.free(req) is None:
                 return
-            token = self.tokens.pop(req, None)
+            token = running.tokens.pop(req, None)
         if token is not None:
-            self.writer.release(req.id, token)
-        if self.unacked.pop(req, False):
+            self._release_lease(req.id, token)
+        if running.unacked.pop(req, False):
             self._ack(req)  # its lease could not be written: the message held it
         log.debug("ojs-ml: released %s", req.id)
         self._pump_soon()
         # After the pump: a held job starts without waiting for the wake-up's round trips,
         # and the advertisement then already counts it.
         with self.lock:
-            quiet = self.quiet_release(req)
+            quiet = self.grants.quiet_release(req)
         if not quiet:
             self.wake_scheduler()
 
@@ -339,25 +311,26 @@ class Gate(LeaseKeeping, granted.Granted):
     def pump(self) -> None:
         """Start held jobs that fit now, in band, priority and FIFO order (granted ones
         only while their grant holds: `recheck_grants`)."""
-        if self.granted_held:
-            self.recheck_grants()
+        if self.grants.granted_held:
+            self.grants.recheck_grants()
         with self.lock:
             self._pump_due = False
             for alloc in self.allocator.pump():
                 req: Any = alloc.key
                 self.hold_until.pop(req, None)
-                if req in self.granted_held:
-                    self.granted_started = time.monotonic()
-                self._leave_hold(req)
+                if req in self.grants.granted_held:
+                    self.grants.granted_started = time.monotonic()
+                self.leave_hold(req)
                 if req.revoked():
                     self.allocator.free(req)
                     continue
                 self._dispatch(req, alloc)
             self.resubscribe()
 
-    def _leave_hold(self, req: Any) -> None:
-        if req in self.granted_held:  # held inside the prefetch limit (`hold_granted`)
-            self.granted_held.discard(req)
+    def leave_hold(self, req: Any) -> None:
+        granted_held = self.grants.granted_held
+        if req in granted_held:  # held inside the prefetch limit (`hold_granted`)
+            granted_held.discard(req)
             return
         self.c.qos.decrement_eventually()
 
@@ -368,7 +341,7 @@ class Gate(LeaseKeeping, granted.Granted):
     def expire_holds(self) -> None:
         """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts);
         give back granted ones held longer than `ojs_ml_grant_wait_s` (`expire_granted`)."""
-        self.expire_granted()
+        self.grants.expire_granted()
         with self.lock:
             now = time.monotonic()
             for pending in self.allocator.expired(self.settings.max_hold_s):
@@ -377,13 +350,13 @@ class Gate(LeaseKeeping, granted.Granted):
                     self.allocator.hold(pending)  # still waiting for its victims to yield
                     continue
                 self.hold_until.pop(req, None)
-                if req in self.granted_held:
-                    self._leave_hold(req)
-                    self.give_back_granted(req, f"held too long: {pending.reason}")
+                if req in self.grants.granted_held:
+                    self.leave_hold(req)
+                    self.grants.give_back_granted(req, f"held too long: {pending.reason}")
                     continue
-                self._leave_hold(req)
-                if assigned.token_of(req) is not None:
-                    assigned.give_back(self.worker, req, f"held too long: {pending.reason}")
+                self.leave_hold(req)
+                if token_of(req) is not None:
+                    self.assignments.give_back(req, f"held too long: {pending.reason}")
                     continue
                 log.info("ojs-ml: %s held too long (%s); requeueing", req.id, pending.reason)
                 self._requeue(req)
@@ -404,13 +377,6 @@ def _unwrap(req: Any) -> None:
     if found is not None:
         for name in _WRAPPED:
             found.pop(name, None)
-
-
-def refused_result(req: Any, reason: str) -> None:
-    """Record a refused job as failed (result backend, `task-failed` event) with the reason."""
-    exc = BadMessage(reason)
-    req.task.backend.mark_as_failure(req.id, exc, request=None)
-    req.send_event("task-failed", exception=repr(exc), traceback="")
 
 
 def band_priority(headers: dict[str, Any]) -> int:

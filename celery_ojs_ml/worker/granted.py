@@ -1,7 +1,6 @@
 """The gate's side of a grant: run the class's jobs while the grant is this worker's.
 
-A mixin of `worker.MLWorker`, split out of it to keep modules small; every attribute
-below is set by `MLWorker.__init__`/`start`. `scheduler.grants` says what a grant is.
+`scheduler.grants` says what a grant is.
 
 Key decisions:
 * The worker knows its grants (`mine`: field -> epoch) from the store: read at every
@@ -38,7 +37,6 @@ Key decisions:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
@@ -46,16 +44,15 @@ from celery import Celery
 
 from celery_ojs_ml.allocator import Allocator, Pending
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.store.grants import (
-    HEADER_GRANT,
-    HEADER_GRANT_AT,
-    GrantBook,
-    grants_usable,
-)
+from celery_ojs_ml.store.grants import GrantBook, grants_usable
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.headers import GRANT as HEADER_GRANT
+from celery_ojs_ml.wire.headers import GRANT_AT as HEADER_GRANT_AT
 from celery_ojs_ml.wire.queues import intake_name, ml_queue
 from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.assigned import drop, message_of, token_of
+from celery_ojs_ml.worker.running import Running
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
 
@@ -73,43 +70,62 @@ def epoch_of(req: Any) -> str | None:
     return epoch if isinstance(epoch, str) and epoch else None
 
 
-class Granted:
+class Grants:
     """`mine`, `grant_current`, `give_back_granted`, `quiet_release` (see module doc)."""
 
-    app: Celery
-    c: Any
-    settings: OJSMLSettings
-    store: OJSStore
-    hostname: str
-    allocator: Allocator
-    lock: threading.RLock
-    hold_until: dict[Any, float]
-    mine: dict[str, str]
-    granted_held: set[Any]
-    _ended: set[str]
-    _grants_read_at: float
-    _grants_on: bool
-    _hold_woke: float
-    prefetch_raise: int | None
-    caps: Capabilities
-
-    def init_grants(self) -> None:
-        """At start: whether grants are used here, and this worker's."""
-        self.mine, self.granted_held, self._grants_read_at = {}, set(), 0.0
+    def __init__(
+        self,
+        app: Celery,
+        consumer: Any,
+        settings: OJSMLSettings,
+        hostname: str,
+        allocator: Allocator,
+        running: Running,
+        caps: Capabilities,
+    ) -> None:
+        self.app, self.c, self.settings, self.hostname = app, consumer, settings, hostname
+        self.allocator, self.lock, self.hold_until = allocator, running.lock, running.hold_until
+        self.caps = caps
+        self.store: OJSStore = None  # type: ignore[assignment]
+        self.mine: dict[str, str] = {}
+        self.granted_held: set[Any] = set()
         self.granted_started: float | None = None
+        self.on = False
+        """Whether grants are used here (`grants_usable`)."""
+        self.prefetch_raise: int | None = None
+        """The raise the consumer's QoS carries now (`sync_prefetch`); None until the
+        worker has opened the consumer's QoS (`open_prefetch`)."""
+        self._read_at = 0.0
         self._hold_woke = -1e9
         self._ended: set[str] = set()
-        self._grants_on = grants_usable(self.app)
-        self.prefetch_raise: int | None = None
-        """The raise the consumer's QoS carries now (`sync_prefetch`); None until
-        `MLWorker._open_prefetch` has seen the consumer's QoS."""
+
+    def open(self, store: OJSStore) -> None:
+        """At every consumer start: whether grants are used here, and this worker's."""
+        self.store = store
+        self.mine, self.granted_held, self._read_at = {}, set(), 0.0
+        self.granted_started = None
+        self._hold_woke = -1e9
+        self._ended = set()
+        self.on = grants_usable(self.app)
+        self.prefetch_raise = None
         self.read_grants()
+
+    def open_prefetch(self, consumer: Any) -> None:
+        """Room in the consumer's QoS for the jobs the leader prefetches (`ojs_ml_prefetch`).
+
+        A running ML job keeps its message unacked until its lease is written (a short
+        job, until it ends), so with every prefetch slot taken by running jobs a
+        prefetched message would only be read once a job ended, too late to start
+        without a gap. `c.qos` is new after every consumer (re)start, hence at start. A
+        grant holder keeps only part of the raise, or none (`sync_prefetch`)."""
+        self.c, self.prefetch_raise = consumer, 0
+        self.sync_prefetch()
 
     def read_grants(self) -> None:
         """Read this worker's grants (heartbeat; never raises)."""
-        if not self._grants_on:
+        if not self.on:
             return
-        self._grants_read_at = time.monotonic()
+        self._read_at = time.monotonic()
         try:
             self.mine = GrantBook(self.store).mine(self.hostname)
         except Exception as exc:
@@ -140,7 +156,7 @@ class Granted:
         most one per GPU) run plus one ready; it is raised only where it does not, and at
         most by `ojs_ml_prefetch`. Unknown pool or multiplier: the whole raise."""
         processes = getattr(getattr(self.c, "pool", None), "num_processes", None)
-        multiplier = getattr(self.c, "prefetch_multiplier", None)
+        multiplier = internals.prefetch_multiplier(self.c)
         prefetch = int(self.settings.prefetch)
         if not isinstance(processes, int) or not isinstance(multiplier, int):
             return prefetch
@@ -167,7 +183,7 @@ class Granted:
     def recheck_grants(self) -> None:
         """Read this worker's grants again unless that was done within `_REREAD_S`; give
         back the held jobs of a grant that ended."""
-        if time.monotonic() - self._grants_read_at >= _REREAD_S:
+        if time.monotonic() - self._read_at >= _REREAD_S:
             self.read_grants()
             self.return_revoked()
 

@@ -1,8 +1,5 @@
 """The worker's lease keeping (DESIGN decision 4): write, ack, refresh, fence, recover.
 
-A mixin of `worker.MLWorker`, split out of it to keep modules small. It holds no
-state of its own: every attribute below is set by `MLWorker.__init__`/`start`.
-
 Key decisions:
 * The lease is written before the message is acked; if it cannot be written
   the message stays unacked until the job ends, so the broker still holds it.
@@ -15,10 +12,6 @@ Key decisions:
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import threading
-import time
 from typing import Any
 
 from billiard.exceptions import Terminated
@@ -28,11 +21,12 @@ from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator
 from celery_ojs_ml.store.deadletter import dead_letter, last_checkpoint_of
-from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter, republish_headers
+from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.headers import RENDEZVOUS
+from celery_ojs_ml.wire.records import republish_headers, request_record
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.gangs import (
-    HEADER_RENDEZVOUS,
     STOPPED,
     GangFailed,
     gang_crash,
@@ -40,47 +34,59 @@ from celery_ojs_ml.worker.gangs import (
     requeue_rank,
     stop_peers,
 )
-from celery_ojs_ml.worker.preemption import UNSTARTED_S, Preemptions
+from celery_ojs_ml.worker.preemption import Preemptions
+from celery_ojs_ml.worker.running import Running
 from celery_ojs_ml.worker.setup import hard_time_limit
+from celery_ojs_ml.worker.stopping import ChildStopper
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
-_ACCEPT_WAIT_S = 30.0
-"""How long a fenced copy without a known process is waited for before giving up."""
-
 
 _STALLED = "this one stalled longer than ojs_ml_lease_ttl_s"
 """Why a copy is fenced when a claimer took its job over."""
 
 
-class LeaseKeeping:
+class LeaseKeeper:
     """Leases of the jobs this worker runs (see module doc)."""
 
-    app: Celery
-    c: Any
-    settings: OJSMLSettings
-    store: OJSStore
-    allocator: Allocator
-    leases: LeaseBook
-    writer: LeaseWriter
-    preemptions: Preemptions
-    hostname: str
-    incarnation: str
-    prefork: bool
-    lock: threading.RLock
-    tokens: dict[Any, str]
-    fenced: set[Any]
-    stopping: set[Any]
-    unacked: dict[Any, bool]
+    def __init__(
+        self,
+        app: Celery,
+        settings: OJSMLSettings,
+        allocator: Allocator,
+        running: Running,
+        preemptions: Preemptions,
+        stopper: ChildStopper,
+        hostname: str,
+        incarnation: str,
+    ) -> None:
+        self.app, self.settings, self.allocator = app, settings, allocator
+        self.running, self.lock, self.tokens = running, running.lock, running.tokens
+        self.fenced, self.stopping, self.unacked = running.fenced, running.stopping, running.unacked
+        self.preemptions, self.stopper = preemptions, stopper
+        self.hostname, self.incarnation = hostname, incarnation
+        self.store: OJSStore = None  # type: ignore[assignment]
+        self.leases: LeaseBook = None  # type: ignore[assignment]
+        self.writer: LeaseWriter = None  # type: ignore[assignment]
+
+    def open(self, store: OJSStore, deferrer: Any, hub: Any) -> None:
+        """At every consumer start: the lease book and a writer on this event loop."""
+        self.store = store
+        self.leases = LeaseBook(store, self.settings.lease_ttl_s)
+        self.writer = LeaseWriter(
+            self.leases, deferrer, hub, busy_delay_s=self.settings.lease_write_delay_ms / 1000
+        )
+
+    def close(self) -> None:
+        """Write what is queued, then close the writer (consumer stop)."""
+        if self.writer is not None:
+            with self.lock:
+                self.writer.flush(wait=True)
+                self.writer.close()
 
     def _job_record(self, req: Any, alloc: Allocation, started_at: float) -> dict[str, Any]:
         headers = req.request_dict
         return {
-            "task_id": req.id,
-            "name": req.name,
-            "args": list(req.args),
-            "kwargs": dict(req.kwargs),
-            "headers": republish_headers(headers),
-            "retries": int(headers.get("retries") or 0),
+            **request_record(req),
             "worker": self.hostname,
             "incarnation": self.incarnation,
             "devices": list(alloc.devices),
@@ -89,7 +95,7 @@ class LeaseKeeping:
             **({"gpu_milli": alloc.gpu_milli} if alloc.gpu_milli else {}),
         }
 
-    def _take_lease(self, req: Any, alloc: Allocation) -> None:
+    def take_lease(self, req: Any, alloc: Allocation) -> None:
         """Write the job's lease, then ack its message: from now on the lease holds the job.
 
         The write may be batched (`LeaseWriter`), so Celery's own ack (at accept)
@@ -111,12 +117,12 @@ class LeaseKeeping:
     def _lease_written(self, req: Any, ok: bool) -> None:
         """The lease of `req` exists (or it ended first): ack; else the message holds it."""
         if ok:
-            self._ack(req)
+            self.ack(req)
             return
         log.warning("ojs-ml: no lease for %s; its broker message holds it until it ends", req.id)
         self.unacked[req] = True
 
-    def _ack(self, req: Any) -> None:
+    def ack(self, req: Any) -> None:
         """Ack a gate-managed request's message once, past the suppression above."""
         if getattr(req, "_ojs_acked", False):
             return
@@ -190,48 +196,7 @@ class LeaseKeeping:
                     why,
                     pid,
                 )
-                self.stop_child(req)
-
-    def stop_child(self, req: Any) -> None:
-        """Kill the pool child running `req`, a request in `fenced` or `stopping` (a gang
-        rank whose peer failed): now, or once the child reports it started."""
-        pid = getattr(req, "worker_pid", None)
-        if pid is None and self.prefork:
-            self._kill_once_accepted(req, time.monotonic() + _ACCEPT_WAIT_S)
-        elif not self.kill_child(pid):
-            log.warning("ojs-ml: a non-prefork pool cannot stop %s; it runs on", req.id)
-
-    def _kill_once_accepted(self, req: Any, until: float) -> None:
-        """Kill a copy being stopped whose child has not reported it started yet (no pid:
-        for a fenced copy, the worker stalled between writing the lease and reading the
-        child's ack); the event loop reads that ack soon. As `Preemptions.hard_kill` waits
-        for an unstarted victim, it looks again every `UNSTARTED_S`."""
-        pid = getattr(req, "worker_pid", None)
-        if req not in self.fenced and req not in self.stopping:
-            return  # it ended meanwhile (its failure path or release discarded it)
-        if pid is not None:
-            self.kill_child(pid)
-            return
-        timer = getattr(self.c, "timer", None)
-        if timer is None or time.monotonic() > until:
-            log.warning("ojs-ml: the stopped copy of %s never reported its process", req.id)
-            return
-        timer.call_after(UNSTARTED_S, self._kill_once_accepted, (req, until))
-
-    def kill_child(self, pid: int | None) -> bool:
-        """SIGKILL the pool child `pid` through the pool; False where one task cannot be stopped.
-
-        Only a prefork child can be stopped alone (other pools run tasks in
-        this process). Used by fencing and by preemption after the grace period.
-        """
-        if not self.prefork or not pid or pid == os.getpid():
-            return False
-        terminate = getattr(self.c.pool, "terminate_job", None)
-        if terminate is not None:
-            terminate(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-        return True
+                self.stopper.stop_child(req)
 
     def _lease_missing(self, task_ids: set[str]) -> None:
         """Our lease is gone (store restarted empty, or the job finished elsewhere)."""
@@ -315,7 +280,7 @@ class LeaseKeeping:
         except Exception:
             return False
 
-    def _failing(self, req: Any, original: Any) -> Any:
+    def failing(self, req: Any, original: Any) -> Any:
         """Failure path: re-publish a preempted job; dead-letter a checkpointed one (§14.2)."""
 
         def wrapped(exc_info: Any, *args: Any, **kwargs: Any) -> Any:
@@ -326,33 +291,43 @@ class LeaseKeeping:
                 return None
             exc = getattr(exc_info, "exception", None)
             exc = getattr(exc, "exc", exc)
-            if req in self.stopping and isinstance(exc, BaseException):  # `ojs_ml_stop_rank`
-                self.stopping.discard(req)
-                if not requeue_rank(self, req, exc):  # else its gang is placed again
-                    give_up_rank(self, req, GangFailed(STOPPED), event=True)  # not REVOKED
-                    worker_state.task_ready(req)
+            if isinstance(exc, BaseException) and self._replaced(req, exc):
                 return None
-            if isinstance(exc, BaseException) and self.preemptions.yielded(req, exc):
-                return self.preemptions.requeue(req, exc)
             terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
-            if terminal and isinstance(exc, BaseException) and requeue_rank(self, req, exc):
-                return None  # a gang rank: its whole gang is placed again (worker.gangs)
-            if terminal and HEADER_RENDEZVOUS in req.request_dict:
-                give_up_rank(self, req, exc)
+            if terminal and RENDEZVOUS in req.request_dict:
+                give_up_rank(self.app, req, exc)
             result = original(exc_info, *args, **kwargs)
             if terminal and req.request_dict.get("ext_ml_checkpoint_enabled"):
-                record = {
-                    "task_id": req.id,
-                    "name": req.name,
-                    "args": list(req.args),
-                    "kwargs": dict(req.kwargs),
-                    "headers": republish_headers(req.request_dict),
-                    "retries": int(req.request_dict.get("retries") or 0),
-                }
-                try:
-                    dead_letter(self.store, record, f"failed: {exc!r}")
-                except Exception as err:
-                    log.warning("ojs-ml: could not dead-letter %s: %s", req.id, err)
+                self._dead_letter_failed(req, exc)
             return result
 
         return wrapped
+
+    def _replaced(self, req: Any, exc: BaseException) -> bool:
+        """A stopped gang rank, a preempted job or a failed gang rank: re-published (or
+        given up) here, instead of Celery's own failure handling."""
+        if req in self.stopping:  # `ojs_ml_stop_rank`
+            self.stopping.discard(req)
+            if not self._requeue_rank(req, exc):  # else its gang is placed again
+                give_up_rank(self.app, req, GangFailed(STOPPED), event=True)  # not REVOKED
+                worker_state.task_ready(req)
+            return True
+        if self.preemptions.yielded(req, exc):
+            self.preemptions.requeue(req, exc)
+            return True
+        terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
+        return terminal and self._requeue_rank(req, exc)  # its whole gang is placed again
+
+    def _requeue_rank(self, req: Any, exc: BaseException) -> bool:
+        return requeue_rank(self.app, self.store, self.settings.max_crashes, req, exc)
+
+    def _dead_letter_failed(self, req: Any, exc: Any) -> None:
+        """A checkpointed job failed for good: keep it (`celery ojs-ml dead --retry`)."""
+        try:
+            dead_letter(self.store, request_record(req), f"failed: {exc!r}")
+        except Exception as err:
+            log.warning("ojs-ml: could not dead-letter %s: %s", req.id, err)
+
+    def release_lease(self, task_id: str, token: str) -> None:
+        """A job ended: its lease goes with the writer's next batch."""
+        self.writer.release(task_id, token)

@@ -29,25 +29,24 @@ import contextlib
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.exceptions import Ignore
 
-from celery_ojs_ml.allocator import with_preemption_limits
+from celery_ojs_ml.allocator import Allocator, with_preemption_limits
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store.deadletter import republish_request
-
-if TYPE_CHECKING:
-    from celery_ojs_ml.worker.core import MLWorker
+from celery_ojs_ml.wire.headers import PREEMPTIONS
+from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker.stopping import UNSTARTED_S
 
 log = logging.getLogger(__name__)
 DEFAULT_GRACE_S = 30.0
-HEADER_PREEMPTIONS = "ojs_preemptions"
+HEADER_PREEMPTIONS = PREEMPTIONS
 HEADER_POLICY = "ext_mlx_scheduling_preemption_policy"
 IMMEDIATE = "immediate"
-UNSTARTED_S = 0.1
-"""How soon a victim that no pool child has accepted yet is looked at again."""
 
 
 def policy_of(headers: dict[str, Any]) -> str | None:
@@ -70,10 +69,19 @@ def preemptions_of(headers: dict[str, Any]) -> int:
 
 
 class Preemptions:
-    """The preemptions one gate has in flight, keyed by the victim's Request."""
+    """The preemptions one worker has in flight, keyed by the victim's Request."""
 
-    def __init__(self, gate: MLWorker) -> None:
-        self.gate = gate
+    def __init__(
+        self,
+        app: Any,
+        consumer: Any,
+        settings: OJSMLSettings,
+        allocator: Allocator,
+        kill_child: Callable[[int | None], bool],
+        prefork: bool,
+    ) -> None:
+        self.app, self.c, self.settings, self.allocator = app, consumer, settings, allocator
+        self.kill_child, self.prefork = kill_child, prefork
         self.timers: dict[Any, Any] = {}
 
     def __contains__(self, req: Any) -> bool:
@@ -85,12 +93,12 @@ class Preemptions:
             ml,
             policy=policy_of(headers),
             preemptions=preemptions_of(headers),
-            max_preemptions=self.gate.settings.max_preemptions,
+            max_preemptions=self.settings.max_preemptions,
         )
 
     def make_room(self, ml: MLRequirements, band: str) -> float | None:
         """Preempt victims so a held higher-band job fits; the longest grace, or None."""
-        victims = self.gate.allocator.victims(ml, band)
+        victims = self.allocator.victims(ml, band)
         if not victims:
             return None
         longest = 0.0
@@ -106,23 +114,22 @@ class Preemptions:
 
         An `immediate` job gets neither flag nor signal: the kill comes at once.
         """
-        gate = self.gate
         if policy_of(req.request_dict) == IMMEDIATE:
             log.warning("ojs-ml: preempting %s[%s] at once", req.name, req.id)
         else:
             log.warning("ojs-ml: preempting %s[%s] (grace %.1f s)", req.name, req.id, grace)
             self._ask_to_yield(req, grace)
-        self.timers[req] = gate.c.timer.call_after(grace, self.hard_kill, (req,))
+        self.timers[req] = self.c.timer.call_after(grace, self.hard_kill, (req,))
 
     def _ask_to_yield(self, req: Any, grace: float) -> None:
         from celery_ojs_ml.checkpoint import request_preemption
 
         try:
-            request_preemption(self.gate.store, req.id, grace)
+            request_preemption(self.app.ojs_ml.store, req.id, grace)
         except Exception as exc:
             log.warning("ojs-ml: could not set the preemption flag of %s: %s", req.id, exc)
         pid = getattr(req, "worker_pid", None)
-        if self.gate.prefork and pid:
+        if self.prefork and pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR2)
 
@@ -132,9 +139,9 @@ class Preemptions:
         if req not in self.timers:
             return
         if not pid:  # dispatched, but no pool child has taken it yet: look again shortly
-            self.timers[req] = self.gate.c.timer.call_after(UNSTARTED_S, self.hard_kill, (req,))
+            self.timers[req] = self.c.timer.call_after(UNSTARTED_S, self.hard_kill, (req,))
             return
-        if self.gate.kill_child(pid):
+        if self.kill_child(pid):
             log.warning("ojs-ml: %s %s; killed pid %s", req.id, _kill_reason(req), pid)
         else:
             log.warning(
@@ -157,15 +164,15 @@ class Preemptions:
 
         from celery_ojs_ml.checkpoint import clear_preemption
 
-        gate = self.gate
+        store = self.app.ojs_ml.store
         worker_state.task_ready(req)
         count = preemptions_of(req.request_dict) + 1
-        clear_preemption(gate.store, req.id)
-        checkpoint = republish_request(gate.app, gate.store, req, ojs_preemptions=count)
+        clear_preemption(store, req.id)
+        checkpoint = republish_request(self.app, store, req, ojs_preemptions=count)
         how = "yielded" if isinstance(exc, Ignore) else _killed(req)
         log.warning("ojs-ml: %s %s; re-published (preemption %d)", req.id, how, count)
         req.send_event("task-retried", exception=f"Preempted({how}, preemptions={count})")
-        dispatcher = getattr(gate.c, "event_dispatcher", None)
+        dispatcher = getattr(self.c, "event_dispatcher", None)
         if dispatcher is not None and dispatcher.enabled:
             dispatcher.send(
                 "ojs-preempted",

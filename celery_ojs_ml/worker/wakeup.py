@@ -18,17 +18,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery_ojs_ml.worker.celery_internals import blocked_brpop
+
 log = logging.getLogger(__name__)
 
 
 def wake_consumer(task_consumer: Any) -> bool:
     """Unblock the consumer's in-flight Redis BRPOP; False when there is none to unblock."""
-    channel = getattr(task_consumer, "channel", None)
-    blocked = getattr(channel, "_in_poll", None)
-    client = getattr(channel, "client", None)
-    sock = getattr(blocked, "_sock", None)
-    if not blocked or client is None or sock is None:
+    found = blocked_brpop(task_consumer)
+    if found is None:
         return False
+    channel, client, sock = found
     try:
         host, port = sock.getsockname()[:2]
         addr = f"{host}:{port}"

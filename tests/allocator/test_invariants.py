@@ -141,19 +141,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_memoised_verdict_behind_held_jobs_is_the_full_assessment(self) -> None:
-        """`_assess_behind` (memo plus the backfill rule) answers as `_assess` does."""
+        """`assess_behind` (memo plus the backfill rule) answers as `assess` does."""
         queue = self.a.held()
         for i, pending in enumerate(queue):
             for req in (pending.req, *self.seen[-3:]):
-                fast = self.a._assess_behind(req, queue[:i])
-                full = self.a._assess(req, queue[:i])
+                fast = self.a.book.assess_behind(req, queue[:i])
+                full = self.a.book.assess(req, queue[:i])
                 assert (fast.verdict, fast.why) == (full.verdict, full.why)
 
     @invariant()
     def the_capacity_key_counts_the_running_jobs_by_shape(self) -> None:
         """The cached, incrementally kept shape equals one recounted from scratch."""
         recount: dict[Any, int] = {}
-        for j in self.a._running.values():
+        for j in self.a.book.jobs().values():
             recount[j.shape] = recount.get(j.shape, 0) + 1
         assert self.a.capacity_key() == (frozenset(recount.items()), bool(self.a.held()))
 

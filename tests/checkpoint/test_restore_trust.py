@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointMeta, CheckpointSettings
-from celery_ojs_ml.checkpoint.records import Keys
 from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.store.checkpoints import Keys
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire.settings import read_settings
 from tests.checkpoint.conftest import Backend

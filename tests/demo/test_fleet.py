@@ -9,8 +9,8 @@ import fakeredis
 from celery_ojs_ml.demo.fleet import discard_waiting, worker_argv
 from celery_ojs_ml.demo.jobs import DemoJob
 from celery_ojs_ml.demo.watch import DONE, WAITING, Row
-from celery_ojs_ml.producer.routing import queue_name
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.queues import queue_name
 
 
 def test_a_demo_worker_is_a_prefork_celery_worker_with_a_simulated_profile() -> None:

@@ -135,6 +135,10 @@ def _define_tasks(app: Celery, results_url: str) -> None:
             "crashes": getattr(self.request, "ojs_crashes", 0) or 0,
             "grant": getattr(self.request, "ojs_grant", None),
             "assigned": bool(getattr(self.request, "ojs_assign", None)),
+            "share": getattr(self.request, "ojs_gpu_share", None),
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "preemptions": getattr(self.request, "ojs_preemptions", 0) or 0,
+            "last_checkpoint": getattr(self.request, "ojs_last_checkpoint", None),
             "start": start,
             "end": time.time(),
         }
@@ -440,6 +444,7 @@ def _define_plain_tasks(app: Celery, results_url: str) -> None:
     def add(self: Any, a: int, b: int) -> dict[str, Any]:
         entry = {
             "tag": "plain",
+            "task_id": self.request.id,
             "sum": a + b,
             "queue": self.request.delivery_info.get("routing_key"),
             "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),

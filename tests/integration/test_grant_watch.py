@@ -1,4 +1,4 @@
-"""A publisher's grants copy (`store.grant_watch`) against a real redis-server.
+"""A publisher's grants copy (`store.grants.GrantWatch`) against a real redis-server.
 
 The copy must answer as an HGET sent at the same moment would: every write whose reply
 the writer has is seen by the next lookup, in RESP2 and RESP3, and a broken or forked
@@ -15,9 +15,8 @@ import fakeredis
 import pytest
 import redis
 
-from celery_ojs_ml.store import grant_watch
-from celery_ojs_ml.store.grant_watch import CLIENT_NAME, GrantWatch
-from celery_ojs_ml.store.grants import GrantBook
+from celery_ojs_ml.store import grants as grant_watch
+from celery_ojs_ml.store.grants import CLIENT_NAME, GrantBook, GrantWatch
 from celery_ojs_ml.store.registry import OJSStore
 
 pytestmark = pytest.mark.integration
@@ -121,7 +120,7 @@ def test_a_forked_child_opens_its_own_watch(watch: GrantWatch, redis_client: red
 def test_a_server_without_key_tracking_leaves_every_lookup_to_the_store(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="celery_ojs_ml.store.grant_watch")
+    caplog.set_level(logging.INFO, logger="celery_ojs_ml.store.grants")
     client = fakeredis.FakeRedis()
     client.hset(KEY, "f", "w\tE")
     book = GrantBook(OJSStore(client))

@@ -19,13 +19,12 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_ojs_ml.producer.routing import queue_name
 from celery_ojs_ml.spec.classes import class_id
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.store.deadletter import dead_jobs
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
-from celery_ojs_ml.wire.queues import ml_queue
+from celery_ojs_ml.wire.queues import ml_queue, queue_name
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running
 
@@ -143,22 +142,6 @@ def test_a_worker_uses_the_apps_bounds_for_a_registry_scheme_the_operator_allowe
     )
     assert _wait_tag(client, "https-model")["devices"] == [0]
     assert "Traceback" not in worker.output()
-
-
-def test_a_class_the_worker_cannot_parse_is_skipped_and_does_not_hide_the_others(
-    app: Celery, client: redis.Redis, ojs_store: OJSStore, worker: WorkerProcess
-) -> None:
-    ojs_store.register_class("badbadbadbadbad0", {"ext_ml_gpu_count": -3}, logical_queue="celery")
-    client.hset(ojs_store.key("class", "constraints"), "corrupt000000000", b"{not json")
-    client.incr(ojs_store.key("class", "version"))
-    app.tasks["ml.record"].apply_async(
-        args=["after-bad-class"], headers={"ext_ml_gpu_memory_gb": 16}
-    )
-    assert _wait_tag(client, "after-bad-class")["devices"] == [0]
-    deadline = time.monotonic() + 10  # the registry refresh runs every 0.2 s here
-    while "skipping requirement class badbadbadbadbad0" not in worker.output():
-        assert time.monotonic() < deadline, worker.output()[-3000:]
-        time.sleep(0.05)
 
 
 def _class_queue() -> tuple[str, str]:

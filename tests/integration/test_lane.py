@@ -20,13 +20,13 @@ from celery_ojs_ml import OJSML
 from celery_ojs_ml.allocator.core import Allocator
 from celery_ojs_ml.allocator.model import Allocation
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
-from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
 from celery_ojs_ml.leader.loop import FleetScheduler
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker as redis_intake
 from celery_ojs_ml.store.broker import PROCESSING_SUFFIX
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.queues import worker_queue_name
 from tests.integration.workers import WorkerProcess, running
 
@@ -72,11 +72,11 @@ def fleet(redis_url: str, redis_client: redis.Redis) -> Iterator[tuple[Celery, F
     _advertise(store, SMALL, "profile:nvidia-a100x1")
     leader = FleetScheduler(app, candidate="lane-leader")
     assert leader.book.lead(leader.candidate, 30)
-    leader._connect()
+    leader.intake.connect()
     try:
         yield app, leader
     finally:
-        leader._close()
+        leader.close()
         _APPS.remove(app)
         app.close()
 
@@ -97,7 +97,7 @@ def test_a_job_arriving_at_a_quiet_fleet_is_assigned_in_the_lane_to_its_best_fit
 ) -> None:
     app, leader = fleet
     leader.step(0)  # a quiet pass: nothing waits, the fleet is kept
-    assert leader._lane is not None
+    assert leader.lane.kept is not None
     passes = leader.passes
     job = app.tasks["lane.one"].apply_async()
     leader.step(1.0)
@@ -107,10 +107,10 @@ def test_a_job_arriving_at_a_quiet_fleet_is_assigned_in_the_lane_to_its_best_fit
     assert record["worker"] == SMALL, "best fit: the 1-GPU worker, not the 8-GPU one"
     (msg,) = _delivered(redis_client, SMALL)
     assert msg["headers"]["id"] == job.id
-    assert msg["headers"][HEADER_ASSIGN] == record["token"], "delivered with its token"
+    assert msg["headers"][h.ASSIGN] == record["token"], "delivered with its token"
     assert _delivered(redis_client, BIG) == []
-    leader._settle()
-    assert redis_client.llen(leader.intake + PROCESSING_SUFFIX) == 0, "its message settled"
+    leader.link.settle()
+    assert redis_client.llen(leader.link.queue + PROCESSING_SUFFIX) == 0, "its message settled"
 
     # one use: the next arrival (the fleet changed) takes a full pass, which places the
     # 8-GPU job on the 8-GPU worker as at once
@@ -125,10 +125,10 @@ def test_a_wake_up_ends_the_lane_and_the_next_arrival_takes_a_full_pass(
 ) -> None:
     app, leader = fleet
     leader.step(0)
-    assert leader._lane is not None
+    assert leader.lane.kept is not None
     _advertise(leader.store, SMALL, "profile:nvidia-a100x1", wake=True)  # capacity changed
-    leader._read(1.0, 64)
-    assert leader._woken and leader._lane is None
+    leader.intake.read(1.0, 64)
+    assert leader.intake.woken and leader.lane.kept is None
     passes = leader.passes
     job = app.tasks["lane.one"].apply_async()
     leader.step(1.0)
@@ -148,7 +148,7 @@ def test_a_job_that_cannot_start_now_is_left_to_a_full_pass_which_says_why_it_wa
         BIG, capabilities_to_dict(caps), busy.snapshot(), ttl_s=60, info={"pinning": True}
     )
     leader.step(0)
-    assert leader._lane is not None
+    assert leader.lane.kept is not None
     passes = leader.passes
     job = app.tasks["lane.eight"].apply_async()
     leader.step(1.0)
@@ -172,7 +172,7 @@ def test_a_job_admitted_after_a_pass_read_the_fleet_is_not_overtaken_by_the_next
     first = app.tasks["lane.eight"].apply_async()
     leader.step(1.0)  # the leader's first pass: no lane yet, a full pass
     assert _placed(leader, first.id) == ("pending", None), "admitted, not yet decided"
-    assert leader._lane is None, "a pass that admitted jobs after its reads is not quiet"
+    assert leader.lane.kept is None, "a pass that admitted jobs after its reads is not quiet"
     assert leader._dirty, "the late jobs are decided by a pass at once"
     second = app.tasks["lane.eight"].apply_async()
     leader.step(1.0)
@@ -202,12 +202,12 @@ def test_the_lane_stays_shut_where_the_full_pass_must_account_for_every_job(
     _advertise(OJSStore(redis_client, prefix="ojs"), SMALL, "profile:nvidia-a100x1")
     leader = FleetScheduler(app, candidate="shut-leader")
     assert leader.book.lead(leader.candidate, 30)
-    leader._connect()
+    leader.intake.connect()
     try:
         leader.step(0)
-        assert (leader._lane is not None) is lane
+        assert (leader.lane.kept is not None) is lane
     finally:
-        leader._close()
+        leader.close()
         _APPS.remove(app)
         app.close()
 
@@ -246,7 +246,7 @@ def test_a_job_the_lane_gave_a_worker_that_left_is_taken_back_and_runs_elsewhere
     live worker; the stale copy cannot start."""
     app, leader = fleet
     leader.step(0)
-    assert leader._lane is not None
+    assert leader.lane.kept is not None
     leader.store.forget_worker(SMALL)  # what a warm shutdown does
     job = app.tasks["lane.one"].apply_async()
     leader.step(1.0)

@@ -7,32 +7,47 @@ from __future__ import annotations
 from typing import Any
 
 
-def _leader(sent: list[str]) -> Any:
-    """A `Prefetching` leader (prefetch 2) that records what it would deliver in `sent`."""
+def _leader(sent: list[str], delivered: bool = False) -> Any:
+    """A maker of `Prefetch` (prefetch 2) that records what it would deliver in `sent`;
+    the delivery reports success only with `delivered`."""
     from types import SimpleNamespace
 
-    from celery_ojs_ml.leader.prefetch import Prefetching
+    from celery_ojs_ml.leader.budget_holds import BudgetHolds
+    from celery_ojs_ml.leader.fleet_view import pending_job
+    from celery_ojs_ml.leader.notes import Notes
+    from celery_ojs_ml.leader.prefetch import Prefetch
     from celery_ojs_ml.scheduler import Policy
 
-    class Leader(Prefetching):
-        def __init__(self) -> None:
-            # planned starts up to 15 s away count as soon (half of max_hold_s)
-            self.settings = SimpleNamespace(prefetch=2, max_hold_s=30.0)
-            self.policy = Policy()
-            self._prefetched = {}
-            self._ahead_notes = {}
-            self._turnover = {}
-            self._dirty = False
+    def deliver(state: Any, task_id: str, *args: Any, **kwargs: Any) -> bool:
+        sent.append(task_id)
+        return delivered
 
-        def _pending_job(self, task_id: str, record: dict[str, Any]) -> Any:
-            from celery_ojs_ml.leader.fleet_view import pending_job
+    def make() -> Any:
+        # planned starts up to 15 s away count as soon (half of max_hold_s)
+        settings = SimpleNamespace(prefetch=2, max_hold_s=30.0)
+        policy = Policy()
+        leader: Any = Prefetch(
+            settings, policy, None, deliver, BudgetHolds(policy), Notes(None),  # type: ignore[arg-type]
+            lambda headers: None, lambda t, r: pending_job(t, r, leader.parse),
+        )  # fmt: skip
+        return leader
 
-            return pending_job(task_id, record, self.parse)
+    return make
 
-        def _deliver(self, task_id: str, *args: Any, **kwargs: Any) -> None:
-            sent.append(task_id)
 
-    return Leader
+def _send(leader: Any, decision: Any, fleet: Any, records: Any, jobs: Any, now: float) -> None:
+    """One pass's `Prefetch.send_ahead` over these values."""
+    from celery_ojs_ml.leader.pass_state import PassState
+
+    state = PassState(now, records=records, fleet=fleet, jobs=jobs, decision=decision)
+    leader.send_ahead(state)
+
+
+def _unhold(leader: Any, decision: Any, fleet: Any, records: Any, jobs: Any) -> None:
+    """One pass's `Prefetch.unhold` over these values."""
+    from celery_ojs_ml.leader.pass_state import PassState
+
+    leader.unhold(PassState(0.0, records=records, fleet=fleet, jobs=jobs, decision=decision))
 
 
 def _full(name: str, gpus: int = 1, each: int = 1) -> Any:
@@ -68,10 +83,10 @@ def test_a_job_sitting_out_a_give_back_is_not_prefetched_back_at_once() -> None:
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
     fleet = [_full("w")]
-    Leader()._prefetch(decision, fleet, records, jobs, now=100.0)
+    _send(Leader(), decision, fleet, records, jobs, 100.0)
     assert sent == ["fresh"]
     sent.clear()
-    Leader()._prefetch(decision, fleet, records, jobs, now=106.0)
+    _send(Leader(), decision, fleet, records, jobs, 106.0)
     assert sent == ["fresh", "returned"], "sent ahead once its back-off is over"
 
 
@@ -100,10 +115,10 @@ def test_a_job_ranked_above_a_preemptible_job_on_its_worker_is_not_prefetched() 
         reservations=(Reservation("urgent", "w", 110.0), Reservation("cheap", "w", 110.0))
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(decision, fleet, records, jobs, now=100.0)
+    _send(Leader(), decision, fleet, records, jobs, 100.0)
     assert sent == [], "a job was sent ahead of one before it in order on its worker"
     alone = Decision(reservations=(Reservation("cheap", "w", 110.0),))
-    Leader()._prefetch(alone, fleet, records, jobs, now=100.0)
+    _send(Leader(), alone, fleet, records, jobs, 100.0)
     assert sent == ["cheap"]
 
 
@@ -130,7 +145,7 @@ def test_once_a_reserved_job_is_not_sent_ahead_no_later_job_is_sent_to_that_work
         )
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(decision, [_full("w"), _full("v")], records, jobs, now=100.0)
+    _send(Leader(), decision, [_full("w"), _full("v")], records, jobs, 100.0)
     assert sent == ["other"]
 
 
@@ -150,13 +165,13 @@ def test_only_a_job_that_starts_at_the_first_end_on_a_full_worker_is_sent_ahead(
     jobs = {"two": PendingJob("two", two, submitted_at=1.0), "one": PendingJob("one", one)}
     plan = Decision(reservations=(Reservation("two", "w", 110.0), Reservation("one", "w", 111)))
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    Leader()._prefetch(plan, [_full("w", gpus=4, each=1)], records, jobs, now=100.0)
+    _send(Leader(), plan, [_full("w", gpus=4, each=1)], records, jobs, 100.0)
     assert sent == [], "a 2-GPU job sent ahead where each end frees 1 GPU (and one after it)"
-    Leader()._prefetch(plan, [_full("w", gpus=4, each=2)], records, jobs, now=100.0)
+    _send(Leader(), plan, [_full("w", gpus=4, each=2)], records, jobs, 100.0)
     assert sent == ["two", "one"]
     sent.clear()
     half = WorkerState.of("w", worker_with(gpus=4), list(_full("w", 2).running))
-    Leader()._prefetch(plan, [half], records, jobs, now=100.0)
+    _send(Leader(), plan, [half], records, jobs, 100.0)
     assert sent == [], "sent ahead to a worker with free GPUs"
 
 
@@ -179,7 +194,7 @@ def test_a_job_of_a_queue_with_a_gpu_budget_is_not_sent_ahead_and_other_queues_s
         reservations=(Reservation("capped", "w", 110.0), Reservation("free", "v", 110.0))
     )
     records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
-    leader._prefetch(plan, [_full("w"), _full("v")], records, jobs, now=100.0)
+    _send(leader, plan, [_full("w"), _full("v")], records, jobs, 100.0)
     assert sent == ["free"]
 
 
@@ -210,16 +225,16 @@ def test_a_prefetched_job_is_taken_back_when_a_job_ahead_of_it_in_order_waits_fo
                 "msg": {"headers": {}}}  # fmt: skip
 
     records = {"spot": held("spot", 1.0, "w"), "calm": held("spot", 1.5, "v")}
-    leader._prefetched = {"spot": "w", "calm": "v"}
+    leader.sent = {"spot": "w", "calm": "v"}
     urgent = PendingJob("urgent", req, submitted_at=5.0, band="reserved")
     later = PendingJob("later", req, submitted_at=6.0, band="spot")
     decision = Decision(
         reservations=(Reservation("urgent", "w", 110.0), Reservation("later", "v", 110.0))
     )
-    leader._unhold(decision, [], records, {"urgent": urgent, "later": later})
+    _unhold(leader, decision, [], records, {"urgent": urgent, "later": later})
     assert [t[0] for t in taken] == ["spot"], taken
     assert taken[0][1] == "t1" and "urgent, ahead of it in fleet order" in taken[0][2]
-    assert leader._prefetched == {"calm": "v"}
+    assert leader.sent == {"calm": "v"}
 
 
 def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_taken_back() -> None:
@@ -249,7 +264,6 @@ def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_tak
     leader = _leader(sent)()
     leader.book = Book()  # type: ignore[attr-defined]
     leader.parse = lambda headers: plain  # type: ignore[attr-defined]
-    leader._notes = {}  # type: ignore[attr-defined]
     meta = {"band": "on-demand", "submitted_at": 0.5, "queue": "celery"}
     records: dict[str, dict[str, Any]] = {
         "held": {"state": "assigned", "worker": "w", "token": "t", "meta": meta,
@@ -257,7 +271,7 @@ def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_tak
         "esc": {"state": "pending"},
         "next": {"state": "pending"},
     }  # fmt: skip
-    leader._prefetched = {"held": "w"}
+    leader.sent = {"held": "w"}
     jobs = {
         "esc": PendingJob("esc", spot, submitted_at=1.0, band="spot"),
         "next": PendingJob("next", plain, submitted_at=2.0, band="on-demand"),
@@ -267,9 +281,9 @@ def test_an_escalated_job_is_not_sent_ahead_and_the_jobs_it_now_outranks_are_tak
         escalations={"esc": "spot"},
     )
     fleet = [_full("w")]
-    leader._unhold(decision, fleet, records, jobs)
+    _unhold(leader, decision, fleet, records, jobs)
     assert taken == ["held"], "the held on-demand job would start before the escalated job"
-    leader._prefetch(decision, fleet, records, jobs, now=100.0)
+    _send(leader, decision, fleet, records, jobs, 100.0)
     assert sent == [], sent
 
 
@@ -290,21 +304,21 @@ def test_a_job_goes_ahead_only_where_it_is_likely_to_start_before_the_gate_gives
     records: dict[str, dict[str, Any]] = {"j": {"state": "pending"}}
     unknown = Decision(reservations=(Reservation("j", "w", None),))
     first = _full("w", gpus=2)
-    leader._prefetch(unknown, [first], records, jobs, now=100.0)
+    _send(leader, unknown, [first], records, jobs, 100.0)
     assert sent == [], "sent ahead with no end seen and no planned start"
     one_ended = WorkerState.of(
         "w", worker_with(gpus=2), [*first.running[1:], _full("x").running[0]]
     )
-    leader._prefetch(unknown, [one_ended], records, jobs, now=101.0)
+    _send(leader, unknown, [one_ended], records, jobs, 101.0)
     assert sent == ["j"], "a job ended there a second ago"
     sent.clear()
-    leader._prefetch(unknown, [one_ended], records, jobs, now=140.0)
+    _send(leader, unknown, [one_ended], records, jobs, 140.0)
     assert sent == [], "no end seen for 39 s (horizon 15 s)"
     far = Decision(reservations=(Reservation("j", "w", 160.0),))
-    leader._prefetch(far, [one_ended], records, jobs, now=140.0)
+    _send(leader, far, [one_ended], records, jobs, 140.0)
     assert sent == [], "planned start 20 s away"
     near = Decision(reservations=(Reservation("j", "w", 150.0),))
-    leader._prefetch(near, [one_ended], records, jobs, now=140.0)
+    _send(leader, near, [one_ended], records, jobs, 140.0)
     assert sent == ["j"]
 
 
@@ -351,7 +365,6 @@ def test_a_later_pass_moves_the_estimate_of_a_job_held_ahead_when_a_job_ends_ear
     leader.book = Book()  # type: ignore[attr-defined]
     leader.parse = lambda headers: req  # type: ignore[attr-defined]
     leader.policy = Policy()
-    leader._notes = {}  # type: ignore[attr-defined]
     meta = {"band": "spot", "submitted_at": 1.0, "queue": "celery"}
     records = {
         "first": {"state": "started", "worker": "w", "meta": meta, "msg": {"headers": {}}},
@@ -362,19 +375,19 @@ def test_a_later_pass_moves_the_estimate_of_a_job_held_ahead_when_a_job_ends_ear
             "msg": {"headers": {}},
         },
     }
-    leader._prefetched = {"first": "w", "second": "w"}
-    leader._ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
-    leader._ahead_notes["second"] = ("busy; ahead", 120.0, "w")
+    leader.sent = {"first": "w", "second": "w"}
+    leader.ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
+    leader.ahead_notes["second"] = ("busy; ahead", 120.0, "w")
     running = [
         RunningJob("r110", "spot", started_at=80.0, gpus=1, time_limit_s=30.0),
         RunningJob("first", "spot", started_at=105.0, gpus=1),
         RunningJob("second", "spot", started_at=100.0, gpus=1, time_limit_s=60.0),  # ledger
     ]
     fleet = [WorkerState.of("w", worker_with(gpus=2), running)]
-    leader._prefetch(Decision(), fleet, records, {}, now=105.0)
+    _send(leader, Decision(), fleet, records, {}, 105.0)
     assert written == [{"second": ("busy; ahead", 110.0, "w")}]
-    assert leader._prefetched == {"second": "w"}
-    leader._prefetch(Decision(), fleet, records, {}, now=106.0)
+    assert leader.sent == {"second": "w"}
+    _send(leader, Decision(), fleet, records, {}, 106.0)
     assert written == [{"second": ("busy; ahead", 110.0, "w")}], "written once"
 
 
@@ -396,22 +409,16 @@ def test_a_job_sent_ahead_behind_another_gets_the_gates_estimate_in_the_pass_tha
         def annotate(self, notes: dict[str, Any], *, ahead: bool = False) -> None:
             written.append(dict(notes))
 
-    class Leader(_leader([])):  # type: ignore[misc]
-        def _deliver(self, task_id: str, worker: str, *args: Any, **kwargs: Any) -> bool:
-            self._prefetched[task_id] = worker
-            return True
-
-    leader = Leader()
+    leader = _leader([], delivered=True)()
     leader.book = Book()
     leader.parse = lambda headers: req
-    leader._notes = {}
     meta = {"band": "on-demand", "submitted_at": 1.0, "queue": "celery"}
     records = {
         "first": {"state": "assigned", "worker": "w", "meta": meta, "msg": {"headers": {}}},
         "second": {"state": "pending", "meta": {**meta, "submitted_at": 2.0}, "msg": {}},
     }
-    leader._prefetched = {"first": "w"}
-    leader._ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
+    leader.sent = {"first": "w"}
+    leader.ahead_notes = {"first": ("busy; ahead", 110.0, "w")}
     running = [
         RunningJob("r110", "spot", started_at=80.0, gpus=1, time_limit_s=30.0),
         RunningJob("r120", "spot", started_at=90.0, gpus=1, time_limit_s=30.0),
@@ -420,8 +427,8 @@ def test_a_job_sent_ahead_behind_another_gets_the_gates_estimate_in_the_pass_tha
     fleet = [WorkerState.of("w", worker_with(gpus=2), running)]
     jobs = {"second": PendingJob("second", req, band="on-demand", submitted_at=2.0)}
     plan = Decision(reservations=(Reservation("second", "w", 110.0),))
-    leader._prefetch(plan, fleet, records, jobs, now=105.0)
-    assert leader._prefetched == {"first": "w", "second": "w"}
+    _send(leader, plan, fleet, records, jobs, 105.0)
+    assert leader.sent == {"first": "w", "second": "w"}
     assert [{k: v[1] for k, v in notes.items()} for notes in written] == [{"second": 120.0}]
 
 
@@ -451,10 +458,10 @@ def test_a_held_job_is_not_taken_back_for_a_worker_whose_processes_are_all_busy(
         leader = _leader([])()
         leader.book = Book()  # type: ignore[attr-defined]
         leader.parse = lambda headers: req  # type: ignore[attr-defined]
-        leader._prefetched = {"spot": "w"}
+        leader.sent = {"spot": "w"}
         fleet = [
             WorkerState.of("w", worker_with(gpus=1), busy),
             WorkerState.of("v", worker_with(gpus=2), busy, processes=processes),
         ]
-        leader._unhold(Decision(), fleet, records, {})
+        _unhold(leader, Decision(), fleet, records, {})
         assert taken == expected, processes

@@ -20,9 +20,9 @@ import pytest
 import redis
 from kombu import Connection, Producer
 
-from celery_ojs_ml.leader.delivery import HEADER_ASSIGN
 from celery_ojs_ml.store.pending import PENDING, PendingBook
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.headers import ASSIGN as HEADER_ASSIGN
 from celery_ojs_ml.wire.queues import ml_queue, worker_queue_name
 from tests.integration.mlapp import RESULTS_KEY, make_app
 from tests.integration.workers import WorkerProcess, running

@@ -270,16 +270,16 @@ def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
 ) -> None:
     """The gap after a pass that started nothing batches arrivals into a full fleet; a
     worker's wake-up (capacity freed) ends it, so the capacity is filled at once
-    (`FleetScheduler.step`, `Intake._sit_out`)."""
+    (`FleetScheduler.step`, `Intake.sit_out`)."""
     from celery_ojs_ml import OJSML
     from celery_ojs_ml.leader.loop import FleetScheduler
 
     app = Celery("gap", broker=redis_url, set_as_current=False)
     OJSML(app)
     leader = FleetScheduler(app, candidate="leader-under-test")
-    leader._connect()
+    leader.intake.connect()
     try:
-        intake = leader.intake
+        intake = leader.link.queue
         assert intake == QUEUE
         leader.step(0)  # the first pass: nothing waits
         leader._last_pass, leader._gap_s = time.monotonic(), 0.3
@@ -288,7 +288,7 @@ def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
         began = time.monotonic()
         leader.step(0)
         assert time.monotonic() - began >= 0.29, "an arrival does not end the gap"
-        assert not leader._woken
+        assert not leader.intake.woken
         assert redis_client.llen(intake) == 0, "the arrival was read during the gap"
         OJSStore(redis_client, prefix="ojs").advertise(
             "w@host", {}, {}, push=(intake, redis_intake.wake_message("w@host"))
@@ -296,10 +296,10 @@ def test_a_wake_up_ends_the_leaders_gap_between_passes_and_an_arrival_does_not(
         leader._last_pass, leader._gap_s = time.monotonic(), 30.0
         began = time.monotonic()
         leader.step(0)
-        assert leader._woken
+        assert leader.intake.woken
         assert time.monotonic() - began < 10.0, "the wake-up ended a 30 s gap"
     finally:
-        leader._close()
+        leader.close()
         app.close()
 
 

@@ -84,14 +84,15 @@ def test_the_timeout_becomes_the_message_time_limit_section_14_3(
     assert msg["headers"]["timelimit"] == [90, None]
 
 
-def test_the_class_is_registered_in_the_store_for_workers_to_find(
+def test_publishing_an_ml_job_writes_its_message_and_no_class_registry(
     app: Celery, redis_client: redis.Redis
 ) -> None:
+    """The leader reads the job's class from its headers; no registry is kept for it."""
     app.tasks["ml.train"].apply_async(args=[{}])
-    classes = app.ojs_ml.store.classes()
-    [(_cid, entry)] = classes.items()
-    assert entry["queues"] == ["celery"]
-    assert entry["constraints"]["ext_ml_gpu_count"] == 2
+    [msg] = _messages(redis_client, "ojs.ml.intake")
+    assert msg["headers"]["ojs_class"]
+    assert app.ojs_ml.store.classes() == {}
+    assert not redis_client.keys("ojs:{ml}:class:*")
 
 
 def test_plain_tasks_keep_their_normal_queue_and_headers(

@@ -10,8 +10,8 @@ import fakeredis
 import redis
 
 from celery_ojs_ml.allocator.model import Demand
-from celery_ojs_ml.leader.fleet_view import Ledger
-from celery_ojs_ml.leader.pass_inputs import PassInputs
+from celery_ojs_ml.leader.ledger import Ledger
+from celery_ojs_ml.leader.pass_inputs import started_at as started_from
 from celery_ojs_ml.leader.pass_reads import read_pass
 from celery_ojs_ml.leader.pending_view import PendingView
 from celery_ojs_ml.store.leases import LeaseBook
@@ -157,19 +157,12 @@ def test_a_job_started_between_the_first_reads_and_the_record_reads_keeps_its_gp
     assert book.start("j1", token, "a@h") == "ok"  # the gate starts it now
     records = view.records((first.index, first.changed))
     assert records.get("j1") is None, "the record reads show it has left the assigned state"
-    inputs = _Inputs(book, first.started)
+
+    def reads_start(ids: list[str]) -> dict[str, float | None]:
+        return started_from(book, first.started, ids)
+
     started_at = float(book.started_at(["j1"])["j1"] or 0.0)
     heartbeat = (1.0 + started_at) / 2  # newer than the last sighting, older than the start
-    used = ledger.used(records, {"a@h": heartbeat}, {}, started_at, inputs._started_at)
+    used = ledger.used(records, {"a@h": heartbeat}, {}, started_at, reads_start)
     assert used == {"a@h": Demand(gpus=1)}, "its GPU is still counted"
-    assert (
-        ledger.used(records, {"a@h": started_at + 1}, {}, started_at + 1, inputs._started_at) == {}
-    )
-
-
-class _Inputs(PassInputs):
-    """The leader's pass inputs over a real pending book, with a pass's first reads."""
-
-    def __init__(self, book: PendingBook, starts: dict[str, float | None]) -> None:
-        self.book = book
-        self._starts = starts
+    assert ledger.used(records, {"a@h": started_at + 1}, {}, started_at + 1, reads_start) == {}

@@ -604,15 +604,15 @@ def test_a_batch_admission_admits_new_jobs_and_skips_known_ones(book: PendingBoo
 
 
 def test_a_job_given_back_records_when_so_the_leader_can_back_off(book: PendingBook) -> None:
-    from celery_ojs_ml.leader.loop import FleetScheduler
+    from celery_ojs_ml.leader.pass_inputs import cooled_at
 
     token = _assigned(book)
     assert book.give_back("job-1", token, "anti-affinity holds on a running job") is True
     record = book.get("job-1")
     assert record is not None and float(record["returned_at"]) > 0
     at = float(record["returned_at"])
-    assert at + 0.1 < FleetScheduler._cooled_at(record), "not re-offered at once"
-    assert at + 0.6 > FleetScheduler._cooled_at(record), "re-offered after the backoff"
+    assert at + 0.1 < cooled_at(record), "not re-offered at once"
+    assert at + 0.6 > cooled_at(record), "re-offered after the backoff"
 
 
 @pytest.mark.parametrize("lua", [True, False])
@@ -620,7 +620,7 @@ def test_admission_with_and_without_lua_keeps_the_same_records(store: OJSStore, 
     """`admit_many` runs one Lua script; stores without Lua use WATCH/MULTI: same records."""
     book = PendingBook(store)
     if not lua:
-        book._admit_script = None
+        book.admission._admit_script = None
     meta = _meta(7.0)
     first = {**_msg("j"), "headers": {**_msg("j")["headers"], HEADER_MSG: "m-0"}}
     assert book.admit_many([("j", meta, first), ("k", meta, _msg("k"))]) == [True, True]
@@ -671,7 +671,7 @@ def test_assign_many_assigns_in_one_pipeline_and_skips_jobs_no_longer_pending(
 def test_assign_many_without_lua_scripting_decides_exactly_as_the_script(
     book: PendingBook, redis_client: redis.Redis
 ) -> None:
-    book._assign_script = None
+    book.assigner._assign_script = None
     _admitted(book, "a")
     _admitted(book, "b")
     book.cancel("b")

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import fakeredis
 import pytest
@@ -16,7 +13,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.spec.classes import BANDS
+from celery_ojs_ml.store.registry import OJSStore, class_routes
 
 A100 = {"ext_ml_gpu_count": 1, "ext_ml_gpu_type": "nvidia-a100"}
 CAPS = {"capabilities": {"gpu": {"type": "nvidia-a100", "count": 4}}}
@@ -30,14 +28,6 @@ def _eventually(probe: Callable[[], bool], timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return probe()
-
-
-def _messages(pubsub: Any, quiet_s: float = 0.3) -> list[dict[str, Any]]:
-    """Every data message until the channel has been quiet for `quiet_s`."""
-    out = []
-    while (msg := pubsub.get_message(ignore_subscribe_messages=True, timeout=quiet_s)) is not None:
-        out.append(json.loads(msg["data"]))
-    return out
 
 
 class _Clock:
@@ -75,69 +65,29 @@ def test_from_url_reaches_the_server_at_that_url(redis_url: str) -> None:
         store.close()
 
 
-def test_registering_a_new_class_returns_true_and_lists_it_with_its_queue(store: OJSStore) -> None:
-    assert store.register_class("c1", A100, logical_queue="train") is True
-    assert store.classes() == {"c1": {"constraints": A100, "queues": ["train"], "routes": []}}
+def _old_registry_entry(
+    client: redis.Redis, store: OJSStore, cid: str, queues: list[str], routes: list[list[str]]
+) -> None:
+    """A class entry as a producer of an earlier version wrote it."""
+    client.hset(store.key("class", "constraints"), cid, json.dumps(A100))
+    client.sadd(store.key("class", "queues", cid), *queues)
+    for route in routes:
+        client.sadd(store.key("class", "routes", cid), json.dumps(route))
 
 
-def test_registering_the_same_class_twice_publishes_once_and_returns_false(
+def test_the_class_registry_of_an_earlier_version_is_still_read(
     store: OJSStore, redis_client: redis.Redis
 ) -> None:
-    with redis_client.pubsub() as pubsub:
-        pubsub.subscribe(store.classes_channel)
-        assert pubsub.get_message(timeout=1.0)["type"] == "subscribe"
-        assert store.register_class("c1", A100, logical_queue="train") is True
-        assert store.register_class("c1", A100, logical_queue="train") is False
-        messages = _messages(pubsub)
-    assert messages == [{"class_id": "c1", "logical_queue": "train", "band": None, "version": 1}]
-
-
-def test_the_registry_version_counts_new_class_queue_pairs_only(store: OJSStore) -> None:
-    assert store.classes_version() == 0
-    store.register_class("c1", A100, logical_queue="train")
-    store.register_class("c1", A100, logical_queue="train")
-    assert store.classes_version() == 1
-    store.register_class("c2", {"ext_ml_gpu_count": 2}, logical_queue="train")
-    assert store.classes_version() == 2
-
-
-def test_each_new_band_of_a_class_is_a_new_route_and_a_new_version(store: OJSStore) -> None:
-    """Workers consume only the (logical queue, band) queues jobs were published to."""
-    assert store.register_class("c1", A100, logical_queue="train", band="spot") is True
-    assert store.register_class("c1", A100, logical_queue="train", band="spot") is False
-    assert store.register_class("c1", A100, logical_queue="train", band="reserved") is True
-    assert store.register_class("c1", A100, logical_queue="infer", band="spot") is True
+    """`explain` finds jobs left in the per-class queues of an earlier version through it."""
+    assert store.classes() == {}
+    _old_registry_entry(redis_client, store, "c1", ["train", "infer"], [["train", "spot"]])
     entry = store.classes()["c1"]
-    assert entry["queues"] == ["infer", "train"]
-    assert entry["routes"] == [["infer", "spot"], ["train", "reserved"], ["train", "spot"]]
-    assert store.classes_version() == 3
-
-
-def test_a_class_used_from_a_second_logical_queue_keeps_both_queues(store: OJSStore) -> None:
-    assert store.register_class("c1", A100, logical_queue="train") is True
-    assert store.register_class("c1", A100, logical_queue="infer") is True
-    assert store.classes()["c1"]["queues"] == ["infer", "train"]
-    assert store.classes_version() == 2
-
-
-def test_concurrent_registrations_of_one_pair_report_new_exactly_once(
-    store: OJSStore, redis_url: str
-) -> None:
-    stores = [OJSStore.from_url(redis_url, prefix=_prefix(store)) for _ in range(8)]
-    start = threading.Barrier(len(stores))
-
-    def register(s: OJSStore) -> bool:
-        start.wait(timeout=5)
-        return s.register_class("c1", A100, logical_queue="train")
-
-    try:
-        with ThreadPoolExecutor(max_workers=len(stores)) as pool:
-            results = list(pool.map(register, stores))
-    finally:
-        for s in stores:
-            s.close()
-    assert results.count(True) == 1
-    assert store.classes_version() == 1
+    assert entry == {
+        "constraints": A100,
+        "queues": ["infer", "train"],
+        "routes": [["train", "spot"]],
+    }
+    assert class_routes(entry) == [("train", "spot")] + [("infer", b) for b in BANDS]
 
 
 def _prefix(store: OJSStore) -> str:
@@ -223,15 +173,11 @@ def test_a_held_snapshot_expires_with_its_worker(store: OJSStore) -> None:
 
 
 def test_every_key_carries_the_ml_hash_tag(store: OJSStore, redis_client: redis.Redis) -> None:
-    store.register_class("c1", A100, logical_queue="train")
     store.advertise("w1", CAPS, FREE)
     store.set_pending("t1", {"reason": "r", "class_id": "c1", "queue": "train"})
     store.set_held("w1", [])
     base = f"{_prefix(store)}:{{ml}}"
     assert {k.decode() for k in redis_client.keys("*")} == {
-        f"{base}:class:constraints",
-        f"{base}:class:queues:c1",
-        f"{base}:class:version",
         f"{base}:worker:w1",
         f"{base}:index:worker",
         f"{base}:pending:t1",
@@ -239,7 +185,6 @@ def test_every_key_carries_the_ml_hash_tag(store: OJSStore, redis_client: redis.
         f"{base}:held:w1",
         f"{base}:index:held",
     }
-    assert store.classes_channel.endswith(":{ml}:classes")
 
 
 def test_payloads_are_json_with_sorted_keys(store: OJSStore, redis_client: redis.Redis) -> None:
@@ -249,15 +194,9 @@ def test_payloads_are_json_with_sorted_keys(store: OJSStore, redis_client: redis
 
 
 def test_the_store_works_on_fakeredis_for_the_embedded_demo() -> None:
-    with fakeredis.FakeRedis() as client, client.pubsub() as pubsub:
+    with fakeredis.FakeRedis() as client:
         store = OJSStore(client)
-        pubsub.subscribe(store.classes_channel)
-        assert pubsub.get_message(timeout=1.0)["type"] == "subscribe"
-        assert store.register_class("c1", A100, logical_queue="train") is True
-        assert store.register_class("c1", A100, logical_queue="train") is False
-        assert _messages(pubsub, quiet_s=0.05) == [
-            {"class_id": "c1", "logical_queue": "train", "band": None, "version": 1}
-        ]
+        _old_registry_entry(client, store, "c1", ["train"], [])
         store.advertise("w1", CAPS, FREE)
         store.set_pending("t1", {"reason": "r", "class_id": "c1", "queue": "train"})
         store.set_held("w1", [{"task_id": "t1"}])

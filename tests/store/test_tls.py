@@ -137,14 +137,12 @@ def acl_user(tls_server: TLSServer) -> str:
     return "ojs-store"
 
 
-def test_a_store_on_a_rediss_url_with_the_ca_round_trips_a_class(tls_server: TLSServer) -> None:
+def test_a_store_on_a_rediss_url_with_the_ca_round_trips_a_record(tls_server: TLSServer) -> None:
     store = OJSStore.from_url(tls_server.verified(), prefix=f"t{uuid.uuid4().hex[:6]}")
 
-    assert store.register_class("cls-1", CONSTRAINTS, logical_queue="train", band="spot")
+    store.set_pending("job-1", {"reason": "waiting", "queue": "train"})
 
-    assert store.classes() == {
-        "cls-1": {"constraints": CONSTRAINTS, "queues": ["train"], "routes": [["train", "spot"]]}
-    }
+    assert store.pending()["job-1"]["queue"] == "train"
     store.close()
 
 
@@ -152,7 +150,7 @@ def test_a_rediss_url_without_the_servers_ca_is_refused(tls_server: TLSServer) -
     store = OJSStore.from_url(tls_server.url(ssl_cert_reqs="required"))
 
     with pytest.raises(redis.ConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
-        store.classes_version()
+        store.live_workers()
     assert store.ping() is False
 
 
@@ -179,12 +177,10 @@ def test_the_documented_acl_user_runs_every_store_operation_over_mutual_tls(
 
 
 def _producer_side(store: OJSStore) -> None:
-    store.register_class("cls-acl", CONSTRAINTS, logical_queue="train")
     store.advertise("w@host", {"gpu": 1}, {"gpu_count": 1}, ttl_s=5)
     store.set_held("w@host", [{"task_id": "job-1"}])
     store.set_pending("job-1", {"reason": "waiting"})
-    assert sorted(store.classes()) == ["cls-acl"]
-    assert store.classes_version() == 1
+    assert store.classes() == {}
     assert list(store.live_workers()) == ["w@host"]
     assert store.held() == {"w@host": [{"task_id": "job-1"}]}
     assert list(store.pending()) == ["job-1"]

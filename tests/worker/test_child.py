@@ -10,6 +10,7 @@ import billiard.pool as bpool
 import pytest
 
 from celery_ojs_ml.child import pinning as child
+from celery_ojs_ml.child.hooks import POOL_CHILDREN
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.testing import fake_cuda
 from celery_ojs_ml.wire.settings import read_settings
@@ -139,7 +140,9 @@ GPU = {"ojs_ml_capabilities": "profile:nvidia-a100x2"}
 
 def test_cuda_mode_turns_on_billiards_per_task_memory_check() -> None:
     conf = _conf()
-    configure_child_recycling(conf=conf, options=dict(GPU), instance=_instance("cuda"))
+    configure_child_recycling(
+        children=POOL_CHILDREN, conf=conf, options=dict(GPU), instance=_instance("cuda")
+    )
     assert child.RECYCLE["mode"] == "cuda"
     assert conf.worker_max_memory_per_child == child.NO_LIMIT_KB
     assert conf.worker_max_tasks_per_child is None
@@ -147,13 +150,17 @@ def test_cuda_mode_turns_on_billiards_per_task_memory_check() -> None:
 
 def test_cuda_mode_keeps_a_users_memory_limit() -> None:
     conf = _conf(worker_max_memory_per_child=500_000)
-    configure_child_recycling(conf=conf, options=dict(GPU), instance=_instance("cuda"))
+    configure_child_recycling(
+        children=POOL_CHILDREN, conf=conf, options=dict(GPU), instance=_instance("cuda")
+    )
     assert conf.worker_max_memory_per_child == 500_000
 
 
 def test_always_mode_runs_one_task_per_child() -> None:
     conf = _conf(worker_max_tasks_per_child=50)
-    configure_child_recycling(conf=conf, options=dict(GPU), instance=_instance("always"))
+    configure_child_recycling(
+        children=POOL_CHILDREN, conf=conf, options=dict(GPU), instance=_instance("always")
+    )
     assert (child.RECYCLE["mode"], conf.worker_max_tasks_per_child) == ("always", 1)
 
 
@@ -169,7 +176,9 @@ def test_nothing_is_recycled_without_gpus_prefork_or_when_turned_off(
     mode: str, options: dict[str, Any]
 ) -> None:
     conf = _conf()
-    configure_child_recycling(conf=conf, options=dict(options), instance=_instance(mode))
+    configure_child_recycling(
+        children=POOL_CHILDREN, conf=conf, options=dict(options), instance=_instance(mode)
+    )
     assert child.RECYCLE["mode"] == "never"
     assert conf.worker_max_memory_per_child is None and conf.worker_max_tasks_per_child is None
 
@@ -196,13 +205,13 @@ def test_the_child_hooks_are_one_receiver_per_signal_and_none_on_task_success() 
         ]
         return [f.__qualname__ for f in found if "celery_ojs_ml" in getattr(f, "__module__", "")]
 
-    assert ours(signals.task_prerun) == ["_child_prerun"]
-    assert ours(signals.task_postrun) == ["_child_postrun"]
+    assert ours(signals.task_prerun) == ["child_prerun"]
+    assert ours(signals.task_postrun) == ["child_postrun"]
     assert ours(signals.task_success) == []
 
 
 def _rank_task(stored: list[tuple[str, Any, str]]) -> Any:
-    from celery_ojs_ml.worker.gangs import HEADER_RENDEZVOUS
+    from celery_ojs_ml.wire.headers import RENDEZVOUS as HEADER_RENDEZVOUS
 
     request = SimpleNamespace(id="rank-0", **{HEADER_RENDEZVOUS: {"size": 2}})
     backend = SimpleNamespace(
@@ -214,7 +223,7 @@ def _rank_task(stored: list[tuple[str, Any, str]]) -> Any:
 def test_postrun_stores_a_gang_ranks_result_on_success_only() -> None:
     """A gang rank runs with `ignore_result`; its success is stored by the child's
     `task_postrun` (the `task_success` receiver it replaced), its failure is not."""
-    from celery_ojs_ml.worker.setup import _child_postrun
+    from celery_ojs_ml.child.hooks import child_postrun as _child_postrun
 
     stored: list[tuple[str, Any, str]] = []
     _child_postrun(task=_rank_task(stored), retval=41, state="FAILURE")

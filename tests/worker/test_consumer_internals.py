@@ -14,7 +14,7 @@ from typing import Any
 
 from celery.worker import loops
 
-from celery_ojs_ml.worker.advertising import Advertising
+from celery_ojs_ml.worker.subscription import Subscription
 
 
 def test_celerys_loops_set_the_message_callback_before_they_consume() -> None:
@@ -36,17 +36,10 @@ class _Consumer:
         pass
 
 
-class _Worker:
-    lock = threading.RLock()
-
+class _Worker(Subscription):
     def __init__(self, consumer: _Consumer) -> None:
-        self.c = SimpleNamespace(task_consumer=consumer)
-        self.subscribed: set[str] = set()
-        self.wanted = frozenset({"own"})
+        super().__init__(SimpleNamespace(task_consumer=consumer), threading.RLock(), "own")
         self.added: list[str] = []
-
-    def _wanted_now(self) -> frozenset[str]:
-        return self.wanted
 
     def _add_queue(self, tc: Any, name: str) -> None:
         self.added.append(name)
@@ -55,10 +48,10 @@ class _Worker:
 def test_before_the_loop_starts_queues_are_added_but_not_consumed() -> None:
     consumer = _Consumer()
     worker = _Worker(consumer)
-    Advertising.resubscribe(worker)  # type: ignore[arg-type]
+    worker.resubscribe()
     assert worker.added == ["own"] and worker.subscribed == {"own"}
     assert consumer.consumed == 0
     consumer.on_message = print  # the loop started
     worker.wanted = frozenset({"own", "more"})
-    Advertising.resubscribe(worker)  # type: ignore[arg-type]
+    worker.resubscribe()
     assert worker.added == ["own", "more"] and consumer.consumed == 1

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 from typing import Any
 
-from celery_ojs_ml.worker.lease_keeping import LeaseKeeping
+from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
+from celery_ojs_ml.worker.running import Running
+from celery_ojs_ml.worker.stopping import ChildStopper
 
 
 class _Timer:
@@ -37,29 +38,36 @@ class _Leases:
         return token or "new"
 
 
-class _Keeper(LeaseKeeping):
+class _Stopper(ChildStopper):
+    """Kills nothing: records the pids it would kill."""
+
+    def __init__(self, consumer: Any, running: Running, killed: list[int | None]) -> None:
+        super().__init__(consumer, True, running)
+        self.killed = killed
+
+    def kill_child(self, pid: int | None) -> bool:
+        self.killed.append(pid)
+        return True
+
+
+class _Keeper(LeaseKeeper):
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.fenced = set()
-        self.stopping = set()
-        self.unacked = {}
-        self.prefork = True
+        running = Running()
         self.killed: list[int | None] = []
         self.c = SimpleNamespace(timer=_Timer())
-        self.leases = _Leases(set())
         self.allocations: list[Any] = []
-        self.allocator = SimpleNamespace(allocations=lambda: self.allocations)
-        self.store = SimpleNamespace(_clock=lambda: 1000.0)
+        allocator: Any = SimpleNamespace(allocations=lambda: self.allocations)
+        stopper = _Stopper(self.c, running, self.killed)
+        none: Any = None
+        super().__init__(none, none, allocator, running, none, stopper, "w", "inc")
+        self.leases = _Leases(set())  # type: ignore[assignment]
+        self.store = SimpleNamespace(_clock=lambda: 1000.0)  # type: ignore[assignment]
 
     def _already_finished(self, task_id: str) -> bool:
         return False
 
     def _job_record(self, req: Any, alloc: Any, started_at: float) -> dict[str, Any]:
         return {"task_id": req.id}
-
-    def kill_child(self, pid: int | None) -> bool:
-        self.killed.append(pid)
-        return True
 
 
 class _Request:

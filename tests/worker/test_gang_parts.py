@@ -11,16 +11,13 @@ import pytest
 from celery import Celery
 
 from celery_ojs_ml import OJSML
+from celery_ojs_ml.child.gang_env import env_of, restore_env, set_env
 from celery_ojs_ml.errors import SpecError
+from celery_ojs_ml.leader.gangs import master_port
 from celery_ojs_ml.spec.documents import load_text
-from celery_ojs_ml.worker.gangs import (
-    env_of,
-    gang_headers,
-    master_port,
-    restore_env,
-    set_env,
-    stop_rank,
-)
+from celery_ojs_ml.wire.gangs import gang_headers
+from celery_ojs_ml.worker.gangs import stop_rank
+from celery_ojs_ml.worker.running import Running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,13 +84,13 @@ class _Request:
 
 
 class _Gate:
-    """What `stop_rank` reads of a worker: its running requests, `stopping`, `kill_child`."""
+    """What `stop_rank` reads of a worker: its running requests, `stopping`, `stop_child`."""
 
     def __init__(self, req: _Request) -> None:
-        self._requests = {req.id: req}
-        self.stopping: set[object] = set()
+        self.running = Running()
+        self.running.requests[req.id] = req
+        self.stopping = self.running.stopping
         self.killed: list[int] = []
-        self.c = SimpleNamespace(timer=None)
 
     def stop_child(self, req: _Request) -> None:
         assert req.worker_pid is not None
@@ -107,8 +104,10 @@ def _rank(placement: str, pid: int | None = 4242) -> _Request:
 def test_a_stop_for_a_rank_kills_its_child_only_when_it_runs_for_that_placement() -> None:
     req = _rank("p-new")
     gate = _Gate(req)
-    assert not stop_rank(gate, "t1", "p-old"), "a later placement of the same id is left alone"
+    assert not stop_rank(gate.running, gate.stop_child, "t1", "p-old"), (
+        "a later placement of the same id is left alone"
+    )
     assert gate.killed == [] and gate.stopping == set()
-    assert not stop_rank(gate, "other", "p-new")
-    assert stop_rank(gate, "t1", "p-new")
+    assert not stop_rank(gate.running, gate.stop_child, "other", "p-new")
+    assert stop_rank(gate.running, gate.stop_child, "t1", "p-new")
     assert gate.killed == [4242] and req in gate.stopping, "its failure re-places it"

@@ -1,4 +1,4 @@
-"""A grant holder's read-ahead (`Granted.sync_prefetch`, `granted_raise`), on kombu's own QoS.
+"""A grant holder's read-ahead (`Grants.sync_prefetch`, `granted_raise`), on kombu's own QoS.
 
 Without a grant the consumer's window is Celery's plus `ojs_ml_prefetch` (room for the jobs
 the leader delivers ahead). With one, it keeps only what leaves one job ready beyond those
@@ -14,11 +14,11 @@ from typing import Any
 from celery.worker.consumer.consumer import Consumer
 from kombu.common import QoS
 
-from celery_ojs_ml.worker.granted import Granted
+from celery_ojs_ml.worker.granted import Grants
 
 
-def _holder(processes: Any, multiplier: Any, gpus: int, prefetch: int = 2) -> Granted:
-    g = Granted.__new__(Granted)
+def _holder(processes: Any, multiplier: Any, gpus: int, prefetch: int = 2) -> Grants:
+    g = Grants.__new__(Grants)
     qos = QoS(lambda prefetch_count: None, processes * multiplier)
     g.c = SimpleNamespace(
         qos=qos, pool=SimpleNamespace(num_processes=processes), prefetch_multiplier=multiplier
@@ -29,7 +29,7 @@ def _holder(processes: Any, multiplier: Any, gpus: int, prefetch: int = 2) -> Gr
     return g
 
 
-def _window(g: Granted) -> int:
+def _window(g: Grants) -> int:
     value: int = g.c.qos.value
     return value
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from celery_ojs_ml.allocator.model import Demand
-from celery_ojs_ml.leader.fleet_view import Ledger
+from celery_ojs_ml.leader.ledger import Ledger
 from celery_ojs_ml.store.pending import ASSIGNED, PENDING
 
 ONE_GPU = Demand(gpus=1)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from celery_ojs_ml.child import models
+from celery_ojs_ml.worker.advertising import merged
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +58,7 @@ def test_models_loaded_merges_static_and_live_once() -> None:
     static = [{"model_id": "s"}]
     m1 = {"model_id": "m", "model_version": "1"}
     live = {1: {"models": [m1]}, 2: {"models": [m1, {"model_id": "s"}]}}
-    assert models.merged(static, live) == [
+    assert merged(static, live) == [
         {"model_id": "s"},
         {"model_id": "m", "model_version": "1"},
     ]

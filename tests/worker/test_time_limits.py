@@ -57,14 +57,13 @@ def test_a_leases_celery_time_limit_is_the_running_jobs_end_unless_ext_ml_timeou
 
 
 def test_a_waiting_jobs_duration_for_backfill_is_its_hard_limit_not_a_soft_one() -> None:
-    """The leader's pending record (`Intake._meta`): a job backfills only if its own
+    """The leader's pending record (`intake.pending_meta`): a job backfills only if its own
     limit ends before the reserved start, so the limit must be one Celery enforces."""
-    from celery_ojs_ml.leader.intake import Intake
+    from celery_ojs_ml.leader.intake import pending_meta
 
     def meta(headers: dict[str, Any], conf_limit: Any = None) -> Any:
         conf = SimpleNamespace(task_time_limit=conf_limit)
-        leader = SimpleNamespace(app=SimpleNamespace(conf=conf))
-        return Intake._meta(leader, headers, {})["time_limit_s"]  # type: ignore[arg-type]
+        return pending_meta(headers, {}, conf)["time_limit_s"]
 
     assert meta({"ext_ml_timeout_seconds": 20, "timelimit": [20, None]}) == 20
     assert meta({"timelimit": [60, 30]}) == 60.0

@@ -1,4 +1,4 @@
-"""The celery/billiard/kombu internals `worker.warm_pool` relies on (checked against
+"""The celery/billiard/kombu internals `worker.celery_internals` reads (checked against
 celery 5.7.0, billiard 4.3.2, kombu 5.x). Each test fails when one of them changes."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import billiard.pool
 from celery.concurrency import asynpool
 from kombu.asynchronous import Hub
 
-from celery_ojs_ml.worker import warm_pool
+from celery_ojs_ml.wire import warm_slots
+from celery_ojs_ml.worker import celery_internals
 
 
 def test_warm_pool_finds_every_internal_it_needs_on_the_asynpool_class() -> None:
-    assert warm_pool.missing_internals() == []
+    assert celery_internals.missing_internals() == []
 
 
 def test_asynpool_keeps_the_attributes_the_router_reads() -> None:
     init = inspect.getsource(asynpool.AsynPool.__init__)
-    for name in ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes"):
+    for name in celery_internals.POOL_ATTRIBUTES:
         assert f"self.{name}" in init, name
 
 
@@ -40,6 +41,6 @@ def test_billiard_gives_each_pool_process_an_index_before_it_starts() -> None:
 
 
 def test_a_device_mask_round_trips_and_marks_bound() -> None:
-    mask = warm_pool.mask_of([0, 3])
-    assert warm_pool.devices_of_mask(mask) == [0, 3] and mask > 0
-    assert warm_pool.mask_of([]) != 0  # bound to nothing is still bound
+    mask = warm_slots.mask_of([0, 3])
+    assert warm_slots.devices_of_mask(mask) == [0, 3] and mask > 0
+    assert warm_slots.mask_of([]) != 0  # bound to nothing is still bound

@@ -11,7 +11,6 @@ prefork run is `tests/integration/test_warm_children.py`)."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -19,8 +18,11 @@ from typing import Any
 
 import pytest
 
+from celery_ojs_ml.child import warm_slot
+from celery_ojs_ml.wire.warm_slots import devices_of_mask, mask_of
 from celery_ojs_ml.worker import warm_pool
-from celery_ojs_ml.worker.core import MLWorker
+from celery_ojs_ml.worker.gate import Gate
+from celery_ojs_ml.worker.running import Running
 from tests.allocator.helpers import allocator, job, started
 
 ONE = job(gpu_count=1)
@@ -56,29 +58,32 @@ class Pool:
 
 @pytest.fixture
 def bound_children() -> Iterator[None]:
-    warm_pool.make_table()
-    slots = warm_pool._TABLE["slots"]
-    slots[0], slots[1] = warm_pool.mask_of([0]), warm_pool.mask_of([1])
+    warm_slot.make_table()
+    slots = warm_slot._TABLE["slots"]
+    slots[0], slots[1] = mask_of([0]), mask_of([1])
     yield
-    slots[0] = slots[1] = warm_pool._TABLE["next"][1] = 0
+    slots[0] = slots[1] = warm_slot._TABLE["next"][1] = 0
 
 
 def gate_with(*jobs: str) -> Any:
     """The gate's state as `_dispatch` leaves it: each job running on the allocator."""
-    gate: Any = object.__new__(MLWorker)
-    gate.lock, gate.allocator = threading.RLock(), allocator()
-    gate._requests, gate.devices_by_id = {}, {}
+    gate: Any = object.__new__(Gate)
+    running = Running()
+    gate.lock, gate.allocator = running.lock, allocator()
+    gate.requests, gate.devices_by_id = running.requests, running.devices_by_id
     for task_id in jobs:
         req = Req(task_id)
         devices = started(gate.allocator.try_alloc(req, task_id, ONE)).devices  # keyed by req
-        gate._requests[task_id], gate.devices_by_id[task_id] = req, devices
+        gate.requests[task_id], gate.devices_by_id[task_id] = req, devices
         req.request_dict["ojs_devices"] = list(devices)
     return gate
 
 
 def router_for(gate: Any, pool: Pool) -> warm_pool.Router:
     hub = SimpleNamespace(consolidate_callback=pool.schedule_writes)
-    return warm_pool.Router(pool, hub, gate.devices_by_id.get, gate._move)
+    table = warm_slot.table()
+    assert table is not None
+    return warm_pool.Router(pool, hub, gate.devices_by_id.get, gate.move, table)
 
 
 def test_a_waiting_job_takes_the_idle_warm_child_from_a_later_job_no_child_has_taken(
@@ -92,13 +97,13 @@ def test_a_waiting_job_takes_the_idle_warm_child_from_a_later_job_no_child_has_t
     router.schedule([IDLE])
     assert pool.writes == [(IDLE, "waiting")], "the waiting job goes to the idle warm child"
     assert gate.devices_by_id["waiting"] == (1,) and gate.devices_by_id["later"] == (2,)
-    assert gate._requests["later"].request_dict["ojs_devices"] == [2]
-    assert warm_pool.devices_of_mask(warm_pool._TABLE["next"][1]) == [1], "the child is told"
+    assert gate.requests["later"].request_dict["ojs_devices"] == [2]
+    assert devices_of_mask(warm_slot._TABLE["next"][1]) == [1], "the child is told"
     assert router.retired == 0
     pool.outbound_buffer.append(SimpleNamespace(correlation_id="later"))
     pool._busy_workers = {IDLE}
     router.schedule([BUSY])  # the later job, now on GPU 2, waits for a child bound to it
-    assert pool.writes == [(IDLE, "waiting")] and router._moved["later"] == warm_pool.mask_of([2])
+    assert pool.writes == [(IDLE, "waiting")] and router._moved["later"] == mask_of([2])
 
 
 def test_a_job_a_child_has_already_taken_keeps_its_devices(bound_children: None) -> None:

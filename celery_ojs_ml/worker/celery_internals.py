@@ -1,0 +1,154 @@
+"""Every private Celery, kombu and billiard attribute the worker's main process reads.
+
+Key decision: the plugin uses Celery's public hooks; where a private attribute
+cannot be avoided it is read here, in one small function with the version it
+was checked against, and `missing_internals()` plus tests/worker/test_warm_internals.py
+and test_consumer_internals.py fail when one changes. Checked against celery
+5.7.0, billiard 4.3.2 and kombu 5.7.0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from celery.worker import state as worker_state
+
+# -- the prefork pool (celery.concurrency.asynpool.AsynPool, celery 5.7.0) ----------------
+
+POOL_ATTRIBUTES = ("outbound_buffer", "_fileno_to_inq", "_busy_workers", "_active_writes")
+"""What the warm router reads on an AsynPool (set in `AsynPool.__init__`)."""
+
+
+def missing_internals(pool: Any = None, hub: Any = None) -> list[str]:
+    """What the warm router needs from celery's AsynPool (and the hub) that is not there."""
+    from celery.concurrency import asynpool
+
+    need = ("_create_write_handlers", "register_with_event_loop")
+    missing = [f"AsynPool.{n}" for n in need if not hasattr(asynpool.AsynPool, n)]
+    if pool is not None:
+        missing += [f"AsynPool().{n}" for n in POOL_ATTRIBUTES if not hasattr(pool, n)]
+    if hub is not None and not callable(getattr(hub, "consolidate_callback", None)):
+        missing.append("Hub.consolidate_callback")
+    return missing
+
+
+def async_pool(consumer: Any) -> Any:
+    """The consumer's AsynPool (`TaskPool._pool`), or None for other pools."""
+    return getattr(getattr(consumer, "pool", None), "_pool", None)
+
+
+def pool_pids(consumer: Any) -> list[int]:
+    """Pids of the consumer's prefork pool children ([] for other pools): billiard's
+    `Pool._pool`, the list of its worker processes."""
+    procs = getattr(async_pool(consumer), "_pool", None) or []
+    return [int(p.pid) for p in procs if getattr(p, "pid", None)]
+
+
+def outbound(pool: Any) -> Any:
+    """The jobs waiting for a pool process (a deque; the write scheduler pops its front)."""
+    return pool.outbound_buffer
+
+
+def process_of(pool: Any, fd: int) -> Any:
+    """The pool process whose input pipe is `fd` (it has `.index` and `.pid`), or None."""
+    return pool._fileno_to_inq.get(fd)
+
+
+def pipes(pool: Any) -> list[int]:
+    """The input pipes of every pool process."""
+    return list(pool._fileno_to_inq)
+
+
+def idle(pool: Any, ready: list[int]) -> list[int]:
+    """The pipes in `ready` whose process runs no job and is not being written to."""
+    busy, active = pool._busy_workers, pool._active_writes
+    return [fd for fd in ready if fd not in busy and fd not in active]
+
+
+def wrap_write_scheduler(hub: Any, schedule: Callable[..., Any]) -> Callable[..., Any]:
+    """Put `schedule` in place of the pool's write scheduler; returns the original.
+
+    `AsynPool._create_write_handlers` sets `hub.consolidate_callback =
+    schedule_writes`, which the hub reads once in `create_loop`: call this from a
+    consumer step's `register_with_event_loop`, before the loop starts.
+    """
+    original: Callable[..., Any] = hub.consolidate_callback
+    hub.consolidate_callback = schedule
+    return original
+
+
+def maintain_pool(consumer: Any) -> Callable[[], Any] | None:
+    """billiard's `Pool.maintain_pool` through celery's TaskPool (replaces exited children)."""
+    return getattr(getattr(consumer, "pool", None), "maintain_pool", None)
+
+
+def pool_processes(consumer: Any) -> int | None:
+    """The processes (threads) of this worker's pool now; None before the pool starts.
+    `BasePool.num_processes` (prefork: billiard's `Pool._processes`, which
+    `--autoscale` moves); tests/integration/test_processes.py fails if that changes."""
+    try:
+        found = consumer.pool.num_processes
+    except Exception:  # no consumer or pool yet, or a pool that is not started
+        return None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def prefetch_multiplier(consumer: Any) -> int | None:
+    """The consumer's prefetch multiplier (`Consumer._update_prefetch_count` multiplies
+    the pool's processes by it)."""
+    found = getattr(consumer, "prefetch_multiplier", None)
+    return found if isinstance(found, int) else None
+
+
+# -- worker state and events (celery.worker, celery 5.7.0) ----------------------------------
+
+
+def active_request_ids() -> list[Any] | None:
+    """Ids of the requests a pool process has accepted and not finished
+    (`celery.worker.state.active_requests`); None where Celery has no such set."""
+    try:
+        return [getattr(r, "id", None) for r in list(worker_state.active_requests)]
+    except Exception:
+        return None
+
+
+def task_events_on(consumer: Any) -> bool:
+    """Whether this worker sends task events now: started with `-E` or
+    `worker_send_task_events`, or switched on since by the `enable_events` control
+    command (Flower sends it). The consumer keeps an `EventDispatcher` whose `groups`
+    is None (every group) or holds "task" then; with task events off it is {"worker"},
+    and it drops the worker's own `ojs-*` events too
+    (`test_waiting_events_follow_the_workers_task_events_and_flowers_enable_events` in
+    tests/integration/test_worker.py fails if that changes)."""
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    if dispatcher is None or not getattr(dispatcher, "enabled", False):
+        return False
+    groups = getattr(dispatcher, "groups", None)
+    return groups is None or "task" in groups
+
+
+# -- kombu (5.7.0) ---------------------------------------------------------------------------
+
+
+def put_back_queue(task_consumer: Any, name: str, bound: Any) -> bool:
+    """Put a queue the consumer bound before back in its table (`Consumer._queues`), as
+    `add_queue` would without copying and binding it again; False where it cannot."""
+    queues = getattr(task_consumer, "_queues", None)
+    if bound.channel is not task_consumer.channel or not isinstance(queues, dict):
+        return False
+    queues[name] = bound
+    return True
+
+
+def blocked_brpop(task_consumer: Any) -> tuple[Any, Any, Any] | None:
+    """(channel, redis client, socket) of the Redis channel's in-flight BRPOP, or None:
+    kombu's Redis `Channel._in_poll` is the connection it polls on, and its `_sock`
+    the socket."""
+    channel = getattr(task_consumer, "channel", None)
+    blocked = getattr(channel, "_in_poll", None)
+    client = getattr(channel, "client", None)
+    sock = getattr(blocked, "_sock", None)
+    if not blocked or client is None or sock is None:
+        return None
+    return channel, client, sock
