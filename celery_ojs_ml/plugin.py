@@ -23,7 +23,7 @@ from celery.canvas import Signature
 
 from celery_ojs_ml.errors import ConfigError, StoreUnavailable, UnsatisfiableError
 from celery_ojs_ml.producer.eligibility import Eligibility, LiveWorker
-from celery_ojs_ml.producer.routing import MLRouter
+from celery_ojs_ml.producer.routing import MLRouter, record_granted
 from celery_ojs_ml.producer.submission import Submission
 from celery_ojs_ml.spec.envelope import ParseOptions
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -66,6 +66,7 @@ class OJSML:
         self._install_router()
         signals.before_task_publish.connect(_apply_time_limit, weak=False)
         signals.before_task_publish.connect(_record_pending, weak=False)
+        signals.before_task_publish.connect(record_granted, weak=False)
         from celery_ojs_ml.child import hooks as child_hooks
         from celery_ojs_ml.leader.process import start_candidate
         from celery_ojs_ml.producer import dedup

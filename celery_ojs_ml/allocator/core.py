@@ -3,17 +3,12 @@
 One `Allocator` owns a worker's counted resources and GPU indices. It answers
 `try_alloc` with an `Allocation` (SUCCESS), a `Pending` carrying the pending
 reason (ANNOTATE) or `Denied` (DENY); it also frees, cancels and re-prioritises
-held requests, pumps the hold queue, and picks preemption victims. What runs,
-and what it leaves free, is kept by the `RunningBook` it owns (`book`,
-`allocator.capacity`).
+held requests, pumps the hold queue, and picks preemption victims.
 
 Key decision: it is pure. No Celery, no I/O, no threads and an injected clock,
 so the worker's gate (which calls it from the main process only) owns all
 concurrency, and every rule here is tested without a broker. Verdicts reuse
 matching's filters and reason strings, so the worker says what `match` says.
-With GPU sharing on, a `ShareLedger` accounts each device in milli-GPU
-(`allocator.sharing`): shares fill partly used devices, whole jobs take only
-untouched ones, and a device a share touches is not a free GPU.
 """
 
 from __future__ import annotations
@@ -44,7 +39,13 @@ from celery_ojs_ml.spec.resources import MLRequirements
 
 
 class Allocator:
-    """Devices, counted resources and the hold queue of one worker (see module doc)."""
+    """Devices, counted resources and the hold queue of one worker (see module doc).
+
+    What runs, and what it leaves free, is kept by the `RunningBook` it owns (`book`,
+    `allocator.capacity`). With GPU sharing on, a `ShareLedger` accounts each device in
+    milli-GPU (`allocator.sharing`): shares fill partly used devices, whole jobs take
+    only untouched ones, and a device a share touches is not a free GPU.
+    """
 
     def __init__(
         self,

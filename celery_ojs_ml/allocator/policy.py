@@ -3,19 +3,12 @@
 Key decisions:
 
 * **Backfill.** Held requests are served in strict priority order (band, then
-  priority, then FIFO). A request behind a waiting one may still start, but
-  only inside what is left after setting aside the *whole* demand of every
-  waiting request ahead of it, so it never takes a resource a request ahead is
-  waiting for. Without run-time estimates this is conservative backfill.
-* **Victims.** Candidates are taken lowest band first, then most recently
-  started first (least work lost) until the request fits; then each victim, the
-  least preferred first, is dropped again if the request fits without it, so the
-  set is minimal (no victim can be spared).
-* **Who is never a victim.** Besides §8.2's own flag, a job whose
-  `ext_mlx_scheduling_preemption_policy` is `never` (OJS ML Extensions §7) and
-  one preempted `ojs_ml_max_preemptions` times already. Both are folded into
-  the requirements the job runs under (`with_preemption_limits`), so victim
-  choice and the capacity a higher band may preempt see one flag.
+  priority, then FIFO). A request behind a waiting one starts only inside what is
+  left after setting aside the *whole* demand of every waiting request ahead of it
+  (`blocker`): conservative backfill, without run-time estimates.
+* **Victims.** Lowest band first, then most recently started first (least work
+  lost), pruned to a minimal set (`choose_victims`). A job whose preemption policy
+  is `never`, or preempted `ojs_ml_max_preemptions` times, is never a victim.
 """
 
 from __future__ import annotations
@@ -93,8 +86,11 @@ def with_preemption_limits(
     preemptions: int = 0,
     max_preemptions: int | None = None,
 ) -> MLRequirements:
-    """`req` made not preemptible when its policy is `never` or it hit the cap (module doc).
+    """`req` made not preemptible when its policy is `never` or it hit the cap.
 
+    The policy is `ext_mlx_scheduling_preemption_policy` (OJS ML Extensions §7), the cap
+    `ojs_ml_max_preemptions`. Both are folded into the requirements the job runs under,
+    so victim choice and the capacity a higher band may preempt see one flag (§8.2's).
     The same object when nothing applies (or it is not preemptible anyway).
     """
     capped = max_preemptions is not None and preemptions >= max_preemptions

@@ -1,23 +1,14 @@
 """GPU sharing by VRAM: which device a share takes, and the ledger that keeps shares safe.
 
-Key decisions:
+One unit, the milli-GPU: a device holds `FULL` = 1000 milli, and a share asks for
+a VRAM amount (`ext_ml_gpu_memory_gb`, rounded *up*) or a fraction of one GPU. The
+trace replay (`bench/replay.py`) uses the same unit (the Alibaba trace's `gpu_milli`).
 
-* **One unit, the milli-GPU.** A device holds `FULL` = 1000 milli. A share asks
-  for a VRAM amount (`ext_ml_gpu_memory_gb` on a device of known VRAM, rounded
-  *up*, so the sum of GB on a device never exceeds its VRAM) or a fraction of one
-  GPU. The trace replay (`bench/replay.py`) uses the same unit: the Alibaba
-  trace's `gpu_milli` is a milli-GPU.
-* **Whole jobs and shares never mix on a device.** A device is *untouched*
-  (free = `FULL`), *shared* (some milli taken by shares) or *whole* (taken by a
-  job that does not share). A job that does not share takes only untouched
-  devices; a share takes a device with enough milli left that no whole job holds.
-* **Best fit inside a worker.** A share takes the device with the least milli
-  left that still fits it (lowest index on a tie), so partly used devices fill
-  up first and untouched ones stay whole for the jobs that need whole GPUs.
-  This is the one rule the live allocator and the replay both use.
-
-Pure: no Celery, no I/O, and plain ints so the replay can call it millions of
-times.
+Key decision: whole jobs and shares never mix on a device. A device is untouched,
+shared or held whole; a job that does not share takes only untouched devices, a
+share the best-fitting device no whole job holds (`pick_share`), so untouched
+devices stay whole for the jobs that need whole GPUs. Pure, on plain ints, so the
+replay can call it millions of times.
 """
 
 from __future__ import annotations
@@ -55,9 +46,12 @@ def untouched(free: Sequence[int]) -> list[int]:
 
 
 def pick_share(free: Sequence[int], want: int) -> int | None:
-    """The device a share of `want` milli takes: best fit (module doc), None if none fits.
+    """The device a share of `want` milli takes: best fit, None if none fits.
 
-    `free` is each device's milli left, 0 for a device a whole job holds.
+    `free` is each device's milli left, 0 for a device a whole job holds. Best fit:
+    the device with the least milli left that still fits (lowest index on a tie), so
+    partly used devices fill up first. The live allocator and the replay both use
+    this one rule.
     """
     best: int | None = None
     for i, left in enumerate(free):

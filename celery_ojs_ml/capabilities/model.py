@@ -6,11 +6,9 @@ One frozen pydantic model describes what a worker has. Key decisions:
   catalogue; declared values always win. VRAM is filled with the *smallest*
   variant (an A100 of unknown size counts as 40 GB), because overclaiming VRAM
   sends jobs that then die with CUDA OOM, while underclaiming only loses a match.
-* `derived_labels()` gives the label map that node selectors and affinity rules
-  (§7.1, v0.1 §3) match against: the worker's own labels plus keys derived from
-  the hardware. Hardware-derived keys always reflect the hardware; an own label
-  with the same key cannot override them, so no label can make an A100 worker
-  look like an H100 one. The map is computed once, at construction.
+* `derived_labels()` is the label map node selectors and affinity rules (§7.1,
+  v0.1 §3) match: own labels plus keys derived from the hardware, which always win,
+  so no label can make an A100 worker look like an H100 one.
 """
 
 from __future__ import annotations
@@ -235,7 +233,8 @@ class Capabilities(CapabilityModel):
         return self.gpu.count if self.gpu else 0
 
     def derived_labels(self) -> dict[str, str]:
-        """Own labels plus hardware-derived keys, which always win (see module doc)."""
+        """Own labels plus hardware-derived keys, which always win (see module doc); the
+        map is computed once, at construction."""
         return dict(self._derived)
 
 

@@ -1,13 +1,8 @@
 """Read a worker capability document in any of its three spec forms.
 
-Forms, detected by shape rather than by a version field (none of them has one):
-
-* the §11 advertisement `{"worker_id": ..., "capabilities": {...}}` or the bare
-  inner object (`accelerator`, `gpu{...}`, `cpu_cores`, ..., plus `tpu{...}`);
-* the v0.1 §2.3 label list `["gpu:nvidia-a100", "gpu_count:4", ...]`, bare or
-  as `{"worker_id": ..., "labels": [...]}`; known keys become fields, the rest
-  stay labels;
-* the v0.1 §6.1 FETCH `capabilities` object, told apart by its `cpu: {cores}`.
+The forms (the §11 advertisement or its inner object, the v0.1 §2.3 label list and
+the v0.1 §6.1 FETCH `capabilities` object) are told apart by shape, since none of
+them has a version field (`parse_capabilities`).
 
 Key decision: all three are converted to the §11 shape and validated by the one
 model, and every error is reported at the path the worker wrote (a label list
@@ -59,6 +54,13 @@ LABEL_FIELDS: dict[str, str] = {
 
 def parse_capabilities(doc: Any, *, worker_id: str | None = None) -> Capabilities:
     """Capabilities from a §11, v0.1 label or v0.1 FETCH document.
+
+    * the §11 advertisement `{"worker_id": ..., "capabilities": {...}}` or the bare
+      inner object (`accelerator`, `gpu{...}`, `cpu_cores`, ..., plus `tpu{...}`);
+    * the v0.1 §2.3 label list `["gpu:nvidia-a100", "gpu_count:4", ...]`, bare or as
+      `{"worker_id": ..., "labels": [...]}`; known keys become fields, the rest stay
+      labels;
+    * the v0.1 §6.1 FETCH `capabilities` object, told apart by its `cpu: {cores}`.
 
     `worker_id` is used only when the document names no worker. Raises
     `SpecError` listing every problem at the path the worker wrote.

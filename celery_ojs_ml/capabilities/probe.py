@@ -1,27 +1,13 @@
 """Detect this machine's capabilities: GPUs through NVML, the rest through psutil.
 
-The only module of the layer that does I/O. NVML and psutil are injectable so
-tests run the real code against `celery_ojs_ml.testing.fake_nvml.FakeNVML`.
-Key decisions:
+The only module of the layer that does I/O. NVML and psutil are injectable, so tests
+run the real code against `celery_ojs_ml.testing.fake_nvml.FakeNVML`.
 
-* No driver, no library, no devices or an NVML failure all give a clean
-  CPU-only result; probing never raises.
-* Sizes are GiB (bytes / 1024**3) floored to 0.1, so the worker never claims
-  more than it has. The exception is the VRAM of a well-known GPU, which snaps
-  to the nearest §3.2 catalogue variant within 10%: the catalogue speaks in
-  marketing GB (an "80 GB" H100 reports 79.6 GiB, a "16 GB" T4 15.0 GiB, a
-  "24 GB" L4 22.5 GiB), and a job sized by the catalogue must still match.
-* Mixed GPUs: the advertised `gpu` describes the most common type only (ties:
-  the type of the lowest index), with count, VRAM and compute capability of that
-  group, so the worker never promises a job N GPUs of a type it has fewer of.
-  `labels["gpu_heterogeneous"] = "true"` and `labels["gpu_types"]` record the
-  mix; `probe_devices()` lists every device, and `advertised_tokens()` maps
-  the allocator's indices onto the advertised model's devices only.
-* Interconnect is `nvlink` when at least two devices of the group are NVLink
-  peers (NVML's P2P status; without it, when any device has an active NVLink
-  link), `pcie` otherwise; it is left unset for a single GPU (§3.2). When the
-  peers form smaller islands (bridged pairs), `nvlink_group` says how many
-  devices one job can get all linked.
+Key decision: the worker never claims more than it has. No driver, no devices or an
+NVML failure give a clean CPU-only result (probing never raises); sizes are GiB
+floored to 0.1, except a well-known GPU's VRAM, snapped to its catalogue variant
+(`vram_gb`); and a mixed host advertises its most common GPU type only
+(`summarise_gpus`), so no job is promised N GPUs of a type it has fewer of.
 """
 
 from __future__ import annotations
@@ -85,7 +71,12 @@ def gpu_type_from_name(name: str) -> str:
 
 
 def vram_gb(gpu_type: str, n_bytes: float) -> float:
-    """VRAM of one device: the nearest catalogue variant within 10%, else floored GiB."""
+    """VRAM of one device: the nearest catalogue variant within 10%, else floored GiB.
+
+    The catalogue speaks in marketing GB (an "80 GB" H100 reports 79.6 GiB, a "16 GB"
+    T4 15.0 GiB, a "24 GB" L4 22.5 GiB), and a job sized by the catalogue must still
+    match.
+    """
     reading = n_bytes / GIB
     row = gpu_model(gpu_type)
     if row is not None:
@@ -221,7 +212,14 @@ def probe(
 
 
 def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict[str, str]]:
-    """The advertised `gpu` object and mix labels for a list of devices."""
+    """The advertised `gpu` object and mix labels for a list of devices.
+
+    Mixed GPUs: `gpu` describes the most common type only (ties: the type of the
+    lowest index), with count, VRAM and compute capability of that group;
+    `gpu_heterogeneous = "true"` and `gpu_types` record the mix. `probe_devices()`
+    lists every device, and `advertised_tokens()` maps the allocator's indices onto
+    the advertised model's devices only.
+    """
     if not devices:
         return None, {}
     counts = Counter(d.gpu_type for d in devices)
@@ -234,6 +232,13 @@ def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict
 
 
 def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
+    """The `gpu` object of one type's devices.
+
+    Interconnect is `nvlink` when at least two devices are NVLink peers (NVML's P2P
+    status; without it, when any device has an active NVLink link), `pcie` otherwise,
+    unset for a single GPU (§3.2). When the peers form smaller islands (bridged
+    pairs), `nvlink_group` says how many devices one job can get all linked.
+    """
     ccs = [d.compute_capability for d in group if d.compute_capability]
     complete = len(ccs) == len(group)
     interconnect, linked = None, _linked(group)

@@ -1,24 +1,13 @@
 """Task-side checkpoints and preemption: resume, two-phase save, retention, the preemption flag.
 
-    from celery_ojs_ml import checkpoint
+    ckpt = checkpoint(self)      # in a bound task with `ext_ml_checkpoint_enabled`
+    last = ckpt.resume()         # None, or the committed last checkpoint
+    ckpt.save(epoch=epoch, step=step, loss=loss, files={"model.pt": buf})
+    ckpt.yield_if_preempted()    # raises `Preempted` at a safe point
 
-    @app.task(bind=True, ml={"ext_ml_checkpoint_enabled": True,
-                             "ext_ml_checkpoint_storage_uri": "s3://bucket/ckpt/"})
-    def train(self, epochs):
-        ckpt = checkpoint(self)
-        last = ckpt.resume()
-        for epoch in range(last.epoch + 1 if last else 0, epochs):
-            ...
-            if ckpt.due() or ckpt.preempt_requested:
-                ckpt.save(epoch=epoch, step=step, loss=loss, files={"model.pt": buf})
-            ckpt.yield_if_preempted()
-
-Key decision: the package shares its name with the `checkpoint()` function
-that `celery_ojs_ml` re-exports. Once any submodule is imported, Python binds
-`celery_ojs_ml.checkpoint` to this package, so `from celery_ojs_ml import
-checkpoint` can return the package instead of the function. The package is
-therefore callable and does what the function does, whichever of the two a
-task ends up holding. See docs/checkpoint.md.
+Key decision: the package is callable and does what the `checkpoint()` function
+does, since `from celery_ojs_ml import checkpoint` may return either
+(`_CallablePackage`, docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -81,7 +70,14 @@ __all__ = [
 
 
 class _CallablePackage(types.ModuleType):
-    """This package, callable as `checkpoint(task)` (see the module docstring)."""
+    """This package, callable as `checkpoint(task)`.
+
+    The package shares its name with the `checkpoint()` function that `celery_ojs_ml`
+    re-exports. Once any submodule is imported, Python binds `celery_ojs_ml.checkpoint`
+    to this package, so `from celery_ojs_ml import checkpoint` can return the package
+    instead of the function; callable, it does what the function does, whichever of
+    the two a task ends up holding.
+    """
 
     def __call__(self, task: Any) -> Checkpointer:
         return checkpoint(task)

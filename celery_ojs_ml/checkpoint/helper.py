@@ -3,18 +3,11 @@
 Responsibility: everything a training task does with checkpoints, without
 Celery (the task-side glue is `checkpoint(task)` in `task.py`).
 
-Key decisions (DESIGN.md decision 6, OJS ML §9.2-§9.3):
-- A save is (a) the payload written under `<storage_uri><job id>/<seq>/`, then
-  (b) one atomic Redis commit of the §9.2 metadata, then (c) FIFO eviction of
-  what exceeds `max_count`. A crash before (b) leaves an orphaned payload that
-  resume never sees; a failure in (c) only delays the deletion.
-- Resume reads, in order: the committed metadata in Redis, the
-  `ojs_last_checkpoint` header of a re-published job, then
-  `ext_mlx_training_resume_from`. Header values are untrusted (§15.3): a
-  record is restored only by its own job, from that job's own directory, and
-  (by default) only if the store committed it; the rules are in `restore.py`.
-- The preemption check costs nothing in the common case: the signal flag is a
-  process-local bool, and Redis is polled at most every 0.5 s.
+Key decision (DESIGN.md decision 6, OJS ML §9.2-§9.3): a save is (a) the payload
+written under `<storage_uri><job id>/<seq>/`, then (b) one atomic Redis commit of the
+§9.2 metadata, then (c) FIFO eviction of what exceeds `max_count`. A crash before (b)
+leaves an orphaned payload that resume never sees; a failure in (c) only delays the
+deletion. Resume restores only what `restore.py` trusts (§15.3).
 """
 
 from __future__ import annotations
@@ -96,7 +89,13 @@ class Checkpointer:
     # -- resume (OJS ML §9.3) ------------------------------------------------------------------
 
     def resume(self) -> CheckpointMeta | None:
-        """The checkpoint to resume from, or None (with a warning) to start from the beginning."""
+        """The checkpoint to resume from, or None (with a warning) to start from the beginning.
+
+        Reads, in order: the committed metadata in Redis, the `ojs_last_checkpoint`
+        header of a re-published job, then `ext_mlx_training_resume_from`. Header values
+        are untrusted (§15.3): a record is restored only by its own job, from that job's
+        own directory, and (by default) only if the store committed it (`restore.py`).
+        """
         if self._resume_done:
             return self._resumed
         found = restore.find(
@@ -320,7 +319,10 @@ class Checkpointer:
 
     @property
     def preempt_requested(self) -> bool:
-        """Whether this job was asked to yield: SIGUSR2 in this process, or the Redis key."""
+        """Whether this job was asked to yield: SIGUSR2 in this process, or the Redis key.
+
+        Costs nothing in the common case: the signal flag is a process-local bool, and
+        Redis is polled at most every `POLL_INTERVAL_S` (0.5 s)."""
         if not self._preempt_seen and (preempt.flag_set() or self._poll_preempt_key()):
             self._preempt_seen = True
             self._saves_at_request = self._saves

@@ -1,18 +1,15 @@
 """The preemption flag a running task polls: a SIGUSR2 flag plus a Redis key (OJS ML §8.2).
 
 Key decisions:
-- The SIGUSR2 handler only sets a per-process flag. Raising from a handler would
-  interrupt the task at an arbitrary bytecode, possibly mid-checkpoint; the
-  task instead looks at the flag between steps and yields at a safe point.
-  SIGUSR1 is billiard's soft time limit, so SIGUSR2 it is; its default action
-  kills the process, hence the handler is installed in every pool child
-  (`worker_process_init`) before any preemption can be signalled.
-- The Redis key `preempt:<task id>` reaches a task that no signal can reach
-  (another host, a threads pool, a controller outside the worker). It carries
-  a TTL of the grace period plus a margin, so a stale request can never
-  preempt the re-published copy of the job much later.
+- The SIGUSR2 handler only sets a per-process flag (`install_child_handler`): the
+  task looks at it between steps and yields at a safe point, never mid-checkpoint.
+- The Redis key reaches a task that no signal can reach (another host, a threads
+  pool, a controller outside the worker); its TTL, the grace period plus a margin,
+  keeps a stale request from preempting the re-published copy much later.
 - `Preempted` is a Celery `Ignore`: the task ends without a FAILURE state and
   the worker's main process decides how the job is re-published.
+
+Layout: `<prefix>:{ml}:preempt:<task id>`  string  JSON {requested_at, grace_s}, PX TTL
 """
 
 from __future__ import annotations
@@ -50,6 +47,11 @@ def install_child_handler() -> bool:
 
     Returns False, with a warning, where no handler can be installed (not the
     main thread); the task then still sees requests through the Redis key.
+
+    Raising from the handler would interrupt the task at an arbitrary bytecode. SIGUSR1
+    is billiard's soft time limit, so SIGUSR2 it is; its default action kills the
+    process, hence the handler is installed in every pool child before any preemption
+    can be signalled.
     """
     try:
         signal.signal(SIGNAL, _on_signal)

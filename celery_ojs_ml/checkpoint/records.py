@@ -1,24 +1,13 @@
 """Checkpoint metadata in Redis: sequence numbers, the atomic commit, retention (OJS ML §9.2).
 
-Key decisions:
-- The commit is one MULTI/EXEC, one round trip: it sets `last`, appends to
-  the FIFO `history` and trims what falls beyond `max_count`, so a reader sees
-  either the old or the new checkpoint, never a mix. MULTI rather than Lua
-  keeps fakeredis (without lupa) working.
-- Eviction is a queue, not a side effect of the commit: the trimmed entries
-  go onto `expired` right after the commit, their payloads are deleted after
-  that, and an entry leaves the queue only once its payload is gone. A failed
-  delete is retried on the next save and can never un-commit anything. A
-  process that dies between the commit and the push to `expired` leaks those
-  payloads (orphans, like an uncommitted payload; `delete_checkpoints` with
-  the storage URI removes them); it never loses or corrupts a commit.
-- Sequence numbers only name payload directories, so gaps are harmless: each
-  commit allocates the next one in its own round trip, and a save pays no
-  extra round trip for it.
-- Only committed metadata is ever read for resume; an uploaded payload whose
-  commit never happened is invisible here (§9.2 "treated as non-existent").
-
-The keys, and the read of the last record every side needs, are in `store.checkpoints`.
+Key decision: a commit is one MULTI/EXEC (`commit`) that sets `last`, appends to the
+FIFO `history` and trims it to `max_count`, so a reader sees the old or the new
+checkpoint, never a mix; MULTI rather than Lua keeps fakeredis (without lupa) working.
+Eviction is a queue (`expired`), not a side effect of the commit, so a failed payload
+delete is retried at the next save and never un-commits anything. Only committed
+metadata is read for resume: an uploaded payload whose commit never happened does
+not exist (§9.2). The keys, and the read of the last record every side needs, are
+in `store.checkpoints`.
 """
 
 from __future__ import annotations
@@ -38,7 +27,12 @@ __all__ = ["Keys", "commit", "last_checkpoint", "last_checkpoints", "next_sequen
 
 
 def next_sequence(store: OJSStore, job_id: str) -> int:
-    """Allocate the next sequence number of `job_id` (1, 2, ...); never reused."""
+    """Allocate the next sequence number of `job_id` (1, 2, ...); never reused.
+
+    Sequence numbers only name payload directories, so gaps are harmless: each commit
+    allocates the next one in its own round trip (`Committed.next_sequence`), and a
+    save pays no extra round trip for it.
+    """
     return int(store.client.incr(Keys.of(store, job_id).seq))
 
 
@@ -122,7 +116,14 @@ def list_checkpoints(store: OJSStore, job_id: str) -> list[CheckpointMeta]:
 
 
 def expired(store: OJSStore, job_id: str) -> list[tuple[str, CheckpointMeta]]:
-    """Evicted checkpoints whose payload is still to delete, with their raw records."""
+    """Evicted checkpoints whose payload is still to delete, with their raw records.
+
+    The trimmed entries go onto this queue right after the commit, their payloads are
+    deleted after that, and an entry leaves it only once its payload is gone
+    (`forget_expired`). A process that dies between the commit and the push leaks
+    those payloads (orphans, like an uncommitted payload; `delete_checkpoints` with
+    the storage URI removes them); it never loses or corrupts a commit.
+    """
     raw: list[Any] = store.client.lrange(Keys.of(store, job_id).expired, 0, -1)
     return [(_bytes(r).decode(), CheckpointMeta.from_json(_bytes(r))) for r in raw]
 

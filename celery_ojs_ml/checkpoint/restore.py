@@ -1,24 +1,14 @@
 """Which checkpoint a job resumes from, and what it may trust (OJS ML §9.3, §15.3).
 
-Responsibility: pick the checkpoint `Checkpointer.resume()` restores, from the
-store's committed record, the `ojs_last_checkpoint` header of a re-published
-job, or `ext_mlx_training_resume_from`, refusing untrusted ones with a logged
-reason; it never raises for a bad header.
+Responsibility: pick the checkpoint `Checkpointer.resume()` restores (`find`): the
+store's committed record, the `ojs_last_checkpoint` header of a re-published job, or
+`ext_mlx_training_resume_from`, refusing untrusted ones with a logged reason; it
+never raises for a bad header.
 
-Key decisions (§15.3: workers MUST NOT restore from untrusted sources):
-- A record is trusted when it is this job's (`job_id`), its `storage_key`
-  passes the storage-URI allow-list, and it lies in this job's own payload
-  directory `<ext_ml_checkpoint_storage_uri><job id>/`, where only this job's
-  commits write. No wider prefix is trusted: a header is written by whoever
-  published the message, so a shared root would let one job read another
-  job's checkpoint.
-- By default a header is restored only when the store holds it as a committed
-  checkpoint of the job (§9.2), which makes it a cross-check of the store; the
-  store's record always wins. `ojs_ml_checkpoint_restore = "own_directory"`
-  drops the commit condition, for a store that lost its records or a v0.1
-  §4.4 envelope from another backend.
-- `ext_mlx_training_resume_from` is an artifact URI of the job itself: it must
-  pass the storage-URI allow-list and the artifact rules (Extensions §12.1).
+Key decision (§15.3: workers MUST NOT restore from untrusted sources): a record is
+trusted only when it is this job's and lies in its own payload directory
+(`record_problem`), and by default a header only when the store holds it as a
+committed checkpoint of the job; the store's record always wins.
 """
 
 from __future__ import annotations
@@ -84,6 +74,13 @@ def _header(
     header: Any,
     committed: CheckpointMeta | None,
 ) -> CheckpointMeta | None:
+    """The header's record if it may be restored, else None (the refusal is logged).
+
+    By default a header is restored only when the store holds it as a committed
+    checkpoint of the job (§9.2), a cross-check of the store.
+    `ojs_ml_checkpoint_restore = "own_directory"` drops the commit condition, for a
+    store that lost its records or a v0.1 §4.4 envelope from another backend.
+    """
     if header is None:
         return None
     parsed = parse_meta(header, job_id)
@@ -117,7 +114,14 @@ def _uncommitted_problem(
 
 
 def record_problem(job_id: str, meta: CheckpointMeta, settings: CheckpointSettings) -> str | None:
-    """Why `meta` may not be restored by `job_id` (OJS ML §15.3); None if it may."""
+    """Why `meta` may not be restored by `job_id` (OJS ML §15.3); None if it may.
+
+    Trusted: the record is this job's (`job_id`), its `storage_key` passes the
+    storage-URI allow-list and lies in `<ext_ml_checkpoint_storage_uri><job id>/`,
+    where only this job's commits write. No wider prefix is trusted: a header is
+    written by whoever published the message, so a shared root would let one job
+    read another job's checkpoint.
+    """
     if meta.job_id != job_id:
         return f"belongs to job {meta.job_id!r}, not {job_id!r} (OJS ML §15.3)"
     key = meta.storage_key

@@ -3,11 +3,9 @@
 Key decisions:
 - fsspec is the only storage abstraction: s3fs, gcsfs and adlfs plug in through
   the `s3`, `gcs` and `azure` extras, so a new backend needs no code here.
-- Storage options (endpoints, credentials profiles) never travel in the job:
-  they come from the worker, either the Celery setting
-  `ojs_ml_checkpoint_storage_options` or `register_storage_options()`, both
-  keyed by URI prefix with the longest prefix winning. Credentials in the URI
-  itself are refused by the §15.3 checks.
+- Storage options (endpoints, credentials profiles) never travel in the job: they
+  come from the worker, keyed by URI prefix (`storage_options_for`). Credentials in
+  the URI itself are refused by the §15.3 checks.
 - Payload files on `file://` are fsynced before the metadata commit, as
   PyTorch's distributed checkpoint writer does by default: a commit that
   survives a power loss must not point at data that did not.

@@ -3,17 +3,11 @@
     path = resolve(self.request.ext_ml_model_registry_uri, checksum=...)   # fetched once
     verify(path, "sha256:e3b0...")   # raises ChecksumMismatch naming ext_ml_model_checksum
 
-Key decisions:
-- `verify` streams the file through fsspec (any of its schemes) in 8 MiB
-  chunks, so a 140 GB checkpoint is hashed without being read into memory.
-  A mismatch raises `ChecksumMismatch` (a terminal task failure, §4 MUST
-  reject), naming `ext_ml_model_checksum`, the expected and the actual digest.
-- `resolve` copies a registry URI (`s3://`, `gs://`, `file://`, `hf://` when
-  huggingface_hub is installed: whatever fsspec can open) into a cache
-  directory keyed by the URI, verifies it when a checksum is given (a corrupt
-  copy is deleted, never served), and keeps the cache under a size bound by
-  deleting the least recently used files. Concurrent children fetch into a
-  temporary name and rename, so a reader never sees half a file.
+Key decisions: files are streamed through fsspec (any of its schemes) in 8 MiB
+chunks, so a 140 GB checkpoint is hashed without being read into memory, and a
+mismatch is a terminal task failure (§4 MUST reject). A corrupt copy is deleted,
+never served; concurrent children fetch into a temporary name and rename, so a
+reader never sees half a file.
 """
 
 from __future__ import annotations
@@ -83,7 +77,12 @@ def resolve(
     max_cache_gb: float = 100.0,
     **storage_options: Any,
 ) -> Path:
-    """A local copy of `uri` (fetched once, verified when `checksum` is given)."""
+    """A local copy of `uri` (fetched once, verified when `checksum` is given).
+
+    Whatever fsspec can open (`s3://`, `gs://`, `file://`, `hf://` when huggingface_hub
+    is installed) is copied into `cache_dir`, keyed by the URI; the cache is kept under
+    `max_cache_gb` by deleting the least recently used files (`trim`).
+    """
     import fsspec
 
     cache = Path(cache_dir)

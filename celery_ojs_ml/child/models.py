@@ -1,24 +1,13 @@
 """The per-child model cache for tasks (`ml.model`) and its live advertisement.
 
-A warm pool child (`warm_pool`) keeps its CUDA context between tasks, so it
-can keep the models it loaded too:
+    net = model(self, ("resnet", "v2"), lambda: load_resnet("v2"))  # once per child
 
-    @app.task(bind=True, ml={"ext_ml_gpu_count": 1, "ext_ml_model_id": "resnet"})
-    def infer(self, x):
-        net = model(self, ("resnet", "v2"), lambda: load_resnet("v2"))
-        return net(x)
+Key decision: a warm pool child keeps its CUDA context between tasks, so it keeps the
+models it loaded too, keyed by (model id, version) and evicted least recently used
+(`evict`). After each change the child writes what it holds to the store (`publish`),
+so the scheduler's locality term (§11.3) and the gate see live facts within a heartbeat.
 
-Key decisions:
-- Keys are (model id, version); eviction is least recently used, by count
-  (`ojs_ml_model_cache_size`) and, when loaders declare `vram_gb`, by
-  declared VRAM (`ojs_ml_model_cache_vram_gb`). The model just loaded is never
-  evicted to make room for itself.
-- After each change a child writes the models it holds (and its devices) to
-  the store hash `<prefix>:models:<worker>`, field = its pid. The worker's
-  heartbeat (`worker.advertising.live_models`) merges them into `models_loaded`
-  (§11) and drops fields of children that are gone, so the scheduler's
-  locality term (§11.3) sees live facts within a heartbeat, and the gate
-  prefers the devices of the idle child that holds the requested model.
+Layout: `<prefix>:{ml}:models:<worker>`  hash  child pid -> JSON {devices, models}
 """
 
 from __future__ import annotations
@@ -66,7 +55,12 @@ def model(task: Any, key: Any, loader: Callable[[], T], *, vram_gb: float | None
 
 
 def evict(max_models: int, max_vram_gb: float | None) -> list[Key]:
-    """Drop least recently used models past the bounds (never the most recent one)."""
+    """Drop least recently used models past the bounds (never the most recent one).
+
+    The bounds are a count (`ojs_ml_model_cache_size`) and, when loaders declare
+    `vram_gb`, declared VRAM (`ojs_ml_model_cache_vram_gb`). The model just loaded is
+    never evicted to make room for itself.
+    """
     gone = []
     while len(_CACHE) > 1 and (
         len(_CACHE) > max_models or (max_vram_gb is not None and _vram() > max_vram_gb)
@@ -102,7 +96,12 @@ def _settings(task: Any) -> Any:
 
 
 def publish(task: Any) -> None:
-    """Write this child's models to the store for its worker's heartbeat (best effort)."""
+    """Write this child's models to the store for its worker's heartbeat (best effort).
+
+    The heartbeat (`worker.advertising.live_models`) merges every child's field into
+    `models_loaded` (§11) and drops fields of children that are gone, and the gate
+    prefers the devices of the idle child that holds the requested model.
+    """
     request = getattr(task, "request", None)
     worker = getattr(request, "ojs_node", None) or getattr(request, "hostname", None)
     plugin = getattr(getattr(task, "app", None), "ojs_ml", None)

@@ -1,24 +1,14 @@
 """Pool-child side: pin `CUDA_VISIBLE_DEVICES` around each ML task body.
 
 Key decisions (research/celery-internals.md §3):
-* The main process allocates and puts the device list in the request
-  (`ojs_devices`); `task_prerun` runs in the child after the request is pushed,
-  so it sets the variable before the task body runs and `task_postrun` restores it.
-* Pinning happens only when the gate says so (`ojs_pin`), i.e. under prefork.
-  Under threads/solo/eventlet pools the environment belongs to the whole process,
-  so the plugin never touches it there; the task reads `self.request.ojs_devices`.
-* CUDA reads the variable once per process, when the driver initialises. So a
-  pool child is retired as soon as a task has initialised CUDA in it: after each
-  task the child looks for the CUDA driver (`libcuda.so`) in its own address
-  space and, if it is there, exits through billiard's own recycle path (the
-  `max_memory_per_child` check, which runs after the result has been sent).
-  Children that never touched CUDA are reused like in plain Celery. Reading
-  `/proc/self/maps` costs about half a millisecond, so the child first asks
-  glibc how many shared objects it has ever loaded (`dl_iterate_phdr`'s
-  `dlpi_adds`, about a microsecond) and reads the maps only when that changed:
-  CUDA cannot initialise without loading its driver. With
-  `ojs_ml_recycle_gpu_children="always"` every child runs one task
-  (`worker_max_tasks_per_child=1`); see `worker/setup.py`.
+* The main process allocates and puts the device list in the request (`ojs_devices`);
+  `task_prerun` sets the variable before the task body runs, `task_postrun` restores
+  it. Only when the gate says so (`ojs_pin`, i.e. prefork): under other pools the
+  environment is the whole process's, and the task reads `self.request.ojs_devices`.
+* CUDA reads the variable once per process, so a child is retired as soon as a task
+  has initialised CUDA in it (`install_cuda_retirement`); children that never touched
+  CUDA are reused as in plain Celery. `ojs_ml_recycle_gpu_children` picks the policy
+  (`worker/setup.py`).
 """
 
 from __future__ import annotations
@@ -112,7 +102,13 @@ def loaded_objects() -> int | None:
 
 
 class DriverWatch:
-    """`cuda_initialised()`, read again only when a shared object was loaded since."""
+    """`cuda_initialised()`, read again only when a shared object was loaded since.
+
+    Reading `/proc/self/maps` costs about half a millisecond, so the watch first asks
+    glibc how many shared objects this process has ever loaded (`loaded_objects`,
+    about a microsecond) and reads the maps only when that changed: CUDA cannot
+    initialise without loading its driver.
+    """
 
     def __init__(self) -> None:
         self.clean_at: int | None = None

@@ -8,9 +8,8 @@ and torch's caching-allocator cap when the task asks for it (`limit_torch_memory
 Key decision: the allocator's accounting is the guarantee the scheduler and the
 gate keep (the sum of shares on a device never passes its VRAM); enforcement
 inside the device is best effort and opt-in, because CUDA has no per-process
-VRAM limit without MPS. Both limits apply to the child's CUDA context, so they
-are set before the task body runs; the device index is 0 because the child sees
-only its one device (`CUDA_VISIBLE_DEVICES`).
+VRAM limit without MPS. Both limits apply to the child's CUDA context, so they are
+set before the task body runs, on device 0 (`CUDA_VISIBLE_DEVICES` shows one).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The `celery-ojs-ml demo`: the specs' example jobs placed on a three-node simulated fleet.
 
-Modules: `app` (the demo Celery app and its tasks, also what real workers load
-with `celery -A celery_ojs_ml.demo.app worker`), `jobs` (the example documents
-and which node may run each job), `watch` (job states from the result backend
-and the store), `table` (the live table), `session` (submit, watch, judge),
-`embedded` (three in-process workers on `memory://` and fakeredis), `fleet`
-(real `celery worker` processes against Redis) and `cli` (the click command).
+Modules: `app` (the Celery app and tasks real demo workers load), `jobs` (the example
+documents and which node may run each job), `watch` and `table` (job states and the
+live table), `session` (submit, watch, judge), `embedded` (in-process workers on
+`memory://` and fakeredis), `fleet` (real `celery worker` processes on Redis), `cli`.
 
 Key decision: the demo drives the real plugin end to end (router, store,
 worker gate) and judges its own outcome with the same matching code the

@@ -4,11 +4,7 @@
 runs a real demo worker; the broker comes from `OJS_DEMO_BROKER` (default
 `memory://`), and with Redis the result backend and the plugin's store are that
 same Redis. The embedded runner builds its own app with `make_app("memory://")`.
-
-Each task pretends to work for a moment and returns where it ran: the worker
-node (`request.ojs_node`, set by the gate) and the GPU indices the gate
-allocated (`request.ojs_devices`). It also reports them as its STARTED state,
-so the live table shows running jobs with their devices.
+Each task reports where it ran, as its STARTED state and its result (`_define`).
 
 Key decision: tasks take `*args` because a chain step receives the previous
 step's result before its own arguments, and the module builds its `app` lazily
@@ -79,6 +75,13 @@ def make_app(broker: str, **conf: Any) -> Celery:
 
 
 def _define(app: Celery, name: str) -> None:
+    """Define the task `name`: it pretends to work for a moment and returns where it ran.
+
+    Where: the worker node (`request.ojs_node`, set by the gate) and the GPU indices the
+    gate allocated (`request.ojs_devices`). It also reports them as its STARTED state,
+    so the live table shows running jobs with their devices.
+    """
+
     @app.task(bind=True, name=name, shared=False)  # type: ignore[untyped-decorator]
     def work(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         started = time.time()

@@ -1,22 +1,14 @@
 """The embedded demo: three workers in this process on `memory://`, fakeredis as the store.
 
-Key decisions (research/celery-internals.md §10):
-* Workers run under the threads pool through Celery's own
-  `celery.contrib.testing.worker.start_worker`, which passes
-  `ojs_ml_capabilities` to the plugin's bootstep like the worker CLI option.
-* All three share one app, one `memory://` broker and one fakeredis server;
-  the plugin keeps queues and gate state per consumer, which is what makes
-  several workers in one process behave like three machines.
-* Under the threads pool the plugin does not set `CUDA_VISIBLE_DEVICES`
-  (process-wide); tasks report the devices the gate gave them instead.
-* The nodes start smallest first (CPU, L4, A100). Every worker that can run
-  a job competes for it and the plugin has no cross-worker best-fit
-  preference; in one process the worker started first tends to poll first,
-  so this order lets CPU-only jobs land on the CPU node instead of an idle
-  A100 node. It changes who wins a race, never who is allowed to run a job.
-* Leaving one `start_worker` context tells every worker in the process to
-  stop (`celery.worker.state.should_terminate` is process-global), so the
-  fleet shuts down together in a few seconds.
+Key decisions (research/celery-internals.md §10, docs/demo.md):
+* Workers run under the threads pool through Celery's own `start_worker`, sharing one
+  app, one `memory://` broker and one fakeredis server; the plugin keeps queues and
+  gate state per consumer, so they behave like three machines. Tasks report the
+  devices the gate gave them (threads cannot pin `CUDA_VISIBLE_DEVICES`).
+* The nodes start smallest first (CPU, L4, A100), so CPU-only jobs tend to win the
+  race to the CPU node; the order never changes who is allowed to run a job.
+* Leaving one `start_worker` context stops every worker in the process
+  (`celery.worker.state.should_terminate` is process-global): they stop together.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """The demo against Redis: real `celery worker -P prefork` processes, one per node.
 
-`celery-ojs-ml demo --broker redis://HOST:PORT/DB` starts
-`celery -A celery_ojs_ml.demo.app worker -P prefork -n <node>
---ojs-ml-capabilities=profile:<name>` for each node of the fleet, with that
-Redis as broker, result backend and store, runs one session, and stops them.
-With `--external-workers` someone else runs the workers (docker-compose) and
-the demo only waits for them to advertise.
+`celery-ojs-ml demo --broker redis://HOST:PORT/DB` starts one demo worker per node
+(`worker_argv`), with that Redis as broker, result backend and store, runs one
+session, and stops them. With `--external-workers` someone else runs the workers
+(docker-compose) and the demo only waits for them to advertise.
 
 Key decisions:
-* Workers are stopped by pid with SIGTERM (Celery's warm shutdown), then
-  SIGKILL after a grace period; their logs go to a temporary directory whose
-  tail is shown if a worker dies, and which is removed afterwards.
-* When the demo started the fleet, it also removes what it leaves behind: the
-  messages of jobs no node can run (only those task ids, not whole queues) and
-  their pending records, so repeated runs do not pile up unrunnable jobs.
+* Workers are stopped by pid with SIGTERM (Celery's warm shutdown), then SIGKILL
+  after a grace period (`stop`); their logs go to a temporary directory.
+* A demo that started the fleet removes what it leaves behind (`discard_waiting`),
+  so repeated runs do not pile up unrunnable jobs.
 """
 
 from __future__ import annotations
@@ -93,7 +89,8 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def check_alive(procs: list[subprocess.Popen[bytes]], logdir: Path) -> None:
-    """ConfigError with the log tail of the first worker that exited."""
+    """ConfigError with the log tail of the first worker that exited (the logs' temporary
+    directory is removed when the run ends)."""
     for host, proc in zip(FLEET, procs, strict=False):
         if proc.poll() is not None:
             tail = (logdir / f"{host}.log").read_text(errors="replace")[-3000:]
@@ -149,7 +146,9 @@ def _wait(
 
 
 def discard_waiting(store: OJSStore, rows: list[Row]) -> int:
-    """Remove the messages and pending records of the jobs still waiting; how many went."""
+    """Remove the messages and pending records of the jobs still waiting; how many went.
+
+    Only those task ids' messages, never whole queues."""
     pending = store.pending()
     removed = 0
     for row in rows:

@@ -5,18 +5,11 @@ CPU-only node). The jobs are the OJS ML Resources v0.3 examples (§13.1-§13.5,
 the §12.1 chain, the §12.2 group) plus `zz-impossible-16x-b200.json`.
 
 Key decisions:
-* Each job's eligible nodes come from the same `match()` the plugin uses, on
-  the same profiles the workers load, so the demo's verdict is an independent
-  check of where the plugin placed each job, not a copy of it.
-* The examples ask for hardware the fleet lacks. A workflow step or group job
-  asking for an H100 or a T4 would stall its whole workflow, so such a job is
-  submitted with the nearest GPU the fleet has (H100 -> A100, T4 -> L4), but
-  only when that makes it runnable, and the table says so. Stand-alone jobs
-  that still fit nowhere (§13.2's node selector and compute capability 9.0,
-  §13.3's TPU, the impossible job) are submitted as published and must wait
-  with a pending reason.
-* Task ids are the documents' ids plus a per-run suffix, so a second run
-  against the same Redis never reads the first run's results.
+* Each job's eligible nodes come from the same `match()` the plugin uses, on the same
+  profiles the workers load: an independent check of where the plugin placed each job.
+* A job asking for a GPU the fleet lacks is submitted with the nearest one it has,
+  only when that makes it runnable (`_fit`); the others must wait with a reason.
+* Task ids carry a per-run suffix, so a run never reads an earlier run's results.
 """
 
 from __future__ import annotations
@@ -171,7 +164,13 @@ def eligible_nodes(job: Job, caps: dict[str, Capabilities]) -> frozenset[str]:
 
 def _fit(item: dict[str, Any], caps: dict[str, Capabilities]) -> tuple[Job, str]:
     """Parse a job; swap in a GPU model the fleet has (editing `item`) when only that makes
-    it runnable."""
+    it runnable.
+
+    A workflow step or group job asking for an H100 or a T4 would stall its whole
+    workflow, so it gets the nearest GPU the fleet has (H100 -> A100, T4 -> L4), and the
+    table says so. Stand-alone jobs that still fit nowhere (§13.2's node selector and
+    compute capability 9.0, §13.3's TPU, the impossible job) are submitted as published
+    and must wait with a pending reason."""
     job = parse_job(item)
     wanted = item.get("ext_ml_gpu_type")
     if eligible_nodes(job, caps) or wanted not in SUBSTITUTES:

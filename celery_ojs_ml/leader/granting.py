@@ -12,13 +12,14 @@ jobs queued under a revoked grant go back to the intake (`store.broker`).
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 from typing import Any
 
 from celery_ojs_ml.scheduler import PendingJob, Policy, WorkerState, schedule
 from celery_ojs_ml.scheduler.grants import contested, foreign, grants_after, to_revoke
-from celery_ojs_ml.store import broker
+from celery_ojs_ml.store import broker, granted_jobs
 from celery_ojs_ml.store.grants import GrantBook, grants_usable
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire import headers as h
@@ -62,6 +63,9 @@ class Granting:
         self.gone: dict[str, float] = {}
         """Holders that left -> when this leader missed them first (`broker.restore_granted`)."""
         self._on: bool | None = None
+        self.left_since: dict[str, float] = {}
+        """Departed holders with granted records -> when this leader missed them first."""
+        self._left_read = 0.0
 
     def holders(self) -> dict[str, str]:
         """field -> holder of every grant."""
@@ -160,6 +164,7 @@ class Granting:
             if now - since >= self.settings.lease_ttl_s:
                 del self.gone[worker]
                 state.dirty |= self._restore(worker)
+        state.dirty |= self.readmit_left(live)
 
     def _backlogs(self, live: dict[str, Any]) -> tuple[dict[str, int], frozenset[str]]:
         """Jobs waiting on each live holder (queued, or at the worker: `_at_worker`), and
@@ -220,6 +225,43 @@ class Granting:
                 "ojs-ml: %d granted jobs that %s had taken went back to the intake", moved, worker
             )
         return bool(moved)
+
+    def readmit_left(self, live: Any) -> bool:
+        """At most every second: the jobs recorded for a holder gone `ojs_ml_lease_ttl_s`
+        go back to the intake (`_readmit_left`); True when some did."""
+        now = time.monotonic()
+        if now - self._left_read < 1.0:
+            return False
+        self._left_read, moved = now, 0
+        recorded = granted_jobs.holders(self.store)
+        for worker in [w for w in self.left_since if w in live or w not in recorded]:
+            del self.left_since[worker]
+        for worker in sorted(recorded.difference(live)):
+            if now - self.left_since.setdefault(worker, now) >= self.settings.lease_ttl_s:
+                moved += self._readmit_left(worker)
+                if granted_jobs.drop_holder(self.store, worker):
+                    del self.left_since[worker]
+        return moved > 0
+
+    def _readmit_left(self, worker: str) -> int:
+        """Send back to the intake the granted jobs a departed holder never took up
+        (`store.granted_jobs`): taken off its queue by a `BRPOP` whose process died
+        before kombu recorded them unacked. A copy also restored from its lists or
+        kombu's unacked hash is admitted once (`ojs_msg`)."""
+        left = granted_jobs.left_by(self.store, worker)
+        for task_id, msg in left:
+            body = base64.b64decode(msg["body"])
+            key, raw = broker.envelope(
+                self.link.direct, self.link.queue, body, msg["headers"],
+                msg.get("properties") or {}, msg.get("content_type") or "application/json",
+                msg.get("content_encoding") or "utf-8",
+            )  # fmt: skip
+            self.store.client.lpush(key, raw)
+            log.warning(
+                "ojs-ml: %s left granted job %s untaken; back to the intake", worker, task_id
+            )
+        granted_jobs.forget(self.store, worker, [task_id for task_id, _ in left])
+        return len(left)
 
     def _queue(self, worker: str) -> str:
         return worker_queue_name(self.settings.store_prefix, worker)

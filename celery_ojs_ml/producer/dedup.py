@@ -4,18 +4,12 @@ published; the caller gets the first job's `AsyncResult`.
     @app.task(ml={"ext_ml_gpu_count": 1}, ml_dedup={"window_s": 30})
     def embed(text): ...
 
-    embed.delay("hello")          # published
-    embed.delay("hello")          # nothing published: the first job's AsyncResult
-    embed.apply_async(("x",), ml_dedup_key="doc-42")   # an explicit key
+Key decision: the first publisher of a key (`key_of`, or `ml_dedup_key=` per call)
+wins a `SET NX PX window` in the store, atomic across producers, and stores its task
+id there for later callers. A publish that fails after winning deletes the key, so a
+retry is not swallowed.
 
-Key decisions:
-- The key is the task name plus a hash of the canonical JSON of args and
-  kwargs (repr where they are not JSON), or `ml_dedup_key=` per call. The
-  first publisher wins a `SET NX PX window` in the store, atomic across
-  producers; it stores its task id there, which later callers get back.
-- A publish that fails after winning the key deletes it, so a retry is not
-  swallowed. Nothing else in the task changes: `delay`, `apply_async` and
-  signatures all go through the wrapped `apply_async` of the task.
+Layout: `<prefix>:{ml}:dedup:<task name>:<key>`  string  first task id, PX window
 """
 
 from __future__ import annotations
@@ -61,7 +55,8 @@ def window_of(task: Any) -> float:
 
 
 def key_of(name: str, args: Any, kwargs: Any) -> str:
-    """The default key: the task name and a hash of its arguments."""
+    """The default key: the task name and a hash of the canonical JSON of its arguments
+    (their repr where they are not JSON)."""
     try:
         blob = json.dumps([list(args or ()), dict(kwargs or {})], sort_keys=True)
     except (TypeError, ValueError):
@@ -70,7 +65,12 @@ def key_of(name: str, args: Any, kwargs: Any) -> str:
 
 
 def wrap(task: Any) -> None:
-    """Make `task.apply_async` skip duplicates inside its window (see module doc)."""
+    """Make `task.apply_async` skip duplicates inside its window (see module doc).
+
+    Nothing else in the task changes: `delay`, `apply_async` and signatures all go
+    through the wrapped `apply_async`; `apply_async(..., ml_dedup_key="doc-42")` gives
+    a call an explicit key.
+    """
     window = window_of(task)
     original = task.apply_async
 

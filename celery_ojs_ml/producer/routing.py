@@ -12,6 +12,8 @@ are never touched.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kombu import Queue  # type: ignore[attr-defined]
+from kombu.serialization import dumps
 
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.lru import LRU
@@ -30,10 +33,13 @@ from celery_ojs_ml.spec.classes import (
 )
 from celery_ojs_ml.spec.envelope import ParseOptions, requirements_of
 from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
+from celery_ojs_ml.store import granted_jobs
 from celery_ojs_ml.store.grants import GrantBook
+from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import HEADER_LABELS, declared_labels
 from celery_ojs_ml.wire.queues import intake_name, ml_queue, worker_queue_name
+from celery_ojs_ml.wire.records import stored_message
 from celery_ojs_ml.wire.settings import OJSMLSettings
 
 
@@ -79,6 +85,46 @@ class _Resolved:
 
 _MEMO_MAX = 1024
 """Resolved declarations (and queues) a router keeps, least recently used dropped first."""
+_PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
+_GRANTED = threading.local()
+"""The (plugin, holder, epoch) of the job this thread just routed under a grant."""
+_WARNED: set[str] = set()
+log = logging.getLogger(__name__)
+
+
+def without_private(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """A producer's headers less the plugin-private ones (`wire.headers.PRIVATE`); each
+    name dropped is logged once per process."""
+    dropped = sorted(k for k in headers if k in h.PRIVATE)
+    fresh = [k for k in dropped if k not in _WARNED]
+    if fresh:
+        _WARNED.update(fresh)
+        log.warning("ojs-ml: ignoring plugin-private headers a producer set: %s", fresh)
+    return {k: v for k, v in headers.items() if k not in h.PRIVATE}
+
+
+def record_granted(
+    body: Any = None,
+    headers: dict[str, Any] | None = None,
+    properties: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """`before_task_publish`: record a job routed under a grant before it leaves, so a
+    holder killed as it takes the job does not lose it (`store.granted_jobs`)."""
+    target = getattr(_GRANTED, "job", None)
+    if target is None or not headers:
+        return
+    _GRANTED.job = None
+    plugin, worker, epoch = target
+    if headers.get(h.GRANT) != epoch or not isinstance(headers.get("id"), str):
+        return
+    ctype, cenc, data = dumps(body, serializer=plugin.app.conf.task_serializer)  # type: ignore[no-untyped-call]
+    props = {k: (properties or {}).get(k) for k in _PROPERTIES}
+    msg = stored_message(data, ctype, cenc, dict(headers), props)
+    try:
+        granted_jobs.record(plugin.store, worker, headers["id"], msg)
+    except Exception as exc:  # the job still goes out; only its crash-window record is lost
+        log.warning("ojs-ml: could not record granted job %s: %s", headers["id"], exc)
 
 
 class Publisher(Protocol):
@@ -98,6 +144,9 @@ class Publisher(Protocol):
 
     @property
     def grant_book(self) -> GrantBook: ...
+
+    @property
+    def store(self) -> OJSStore: ...
 
     def store_errors(self) -> AbstractContextManager[None]: ...
 
@@ -131,6 +180,9 @@ class MLRouter:
         task: Any = None,
         **_: Any,
     ) -> dict[str, Any] | None:
+        sent = options.get("headers")
+        if sent and not h.PRIVATE.isdisjoint(sent) and not h.trusted():
+            options["headers"] = without_private(sent)
         attrs = declared_attrs(task, options.get("headers"))
         if not attrs and not self.plugin.defaulted_queues:
             return None
@@ -202,6 +254,7 @@ class MLRouter:
         if grant is None:
             return None
         worker, epoch = grant
+        _GRANTED.job = (self.plugin, worker, epoch)
         headers[h.GRANT] = epoch
         headers[h.GRANT_AT] = round(time.time(), 3)
         return worker_queue_name(self.plugin.settings.store_prefix, worker)

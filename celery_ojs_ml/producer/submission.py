@@ -23,6 +23,7 @@ from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.spec.workflow import Workflow
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.gangs import gang_headers
+from celery_ojs_ml.wire.headers import plugin_publish
 
 
 class Submission:
@@ -57,7 +58,8 @@ class Submission:
 
     def submit(self, doc: Any) -> Any:
         """Validate and publish an OJS envelope (either form), a workflow or a Flux jobspec."""
-        return self.signature_for(doc).apply_async()
+        with plugin_publish():  # a gang's rank headers are the plugin's own
+            return self.signature_for(doc).apply_async()
 
     def _job_signature(self, job: Job) -> Signature:
         if not job.type:
@@ -93,7 +95,8 @@ class Submission:
         `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK` and `LOCAL_RANK` set
         (torch.distributed `env://`). Returns the group's `GroupResult`.
         """
-        return gang_group(sig, size, {}).apply_async()
+        with plugin_publish():  # a gang's rank headers are the plugin's own
+            return gang_group(sig, size, {}).apply_async()
 
 
 def gang_group(sig: Signature, size: int, extra: dict[str, Any]) -> Signature:

@@ -2,15 +2,11 @@
 
 Key decision: one lazy heap per (requirement class, queue, dedicated) holds
 every eligible worker keyed by when the class's footprint stays free there for
-ever after, a start that suits any time limit. Within a pass, assignments and
-holds only take capacity away, so keys only grow: an entry whose worker has
-changed since it was pushed is a lower bound of its new key, recomputed when it
-reaches the top (lazy deletion, as in Dijkstra). A start estimate checks the
+ever after, a start that suits any time limit. A start estimate checks the
 first few workers off the heap exactly for the job's own time limit (a short
 job may fit a gap before a later reservation), so a decision looks at a few
 workers, not all of them. A reservation, made for only the first jobs in
-order, scans every eligible worker for the true soonest start. A preemption
-gives capacity back, so that worker gets a fresh entry in every heap.
+order, scans every eligible worker for the true soonest start.
 """
 
 from __future__ import annotations
@@ -31,7 +27,14 @@ SCAN_LIMIT = 8
 
 
 class Estimator:
-    """Earliest-start queries over the fleet for one pass (see module doc)."""
+    """Earliest-start queries over the fleet for one pass (see module doc).
+
+    Within a pass, assignments and holds only take capacity away, so keys only grow:
+    an entry whose worker has changed since it was pushed is a lower bound of its new
+    key, recomputed when it reaches the top (lazy deletion, as in Dijkstra). A
+    preemption gives capacity back, so that worker gets a fresh entry in every heap
+    (`refresh`).
+    """
 
     def __init__(self, view: FleetView) -> None:
         self.view = view

@@ -2,20 +2,14 @@
 
 Key decisions:
 
-* **A fragment is capacity a typical job cannot use.** For one kind of job,
-  the fragment of a worker is the free milli-GPU it leaves unusable: all of it
-  when the kind cannot start there at all (too few GPUs with enough milli left,
-  too few CPU cores, a GPU model it does not accept, or no GPU asked: a
-  CPU-only job uses no GPU), else the milli left on the GPUs too full for one
-  of its GPUs. The worker's fragmentation is the expectation over the workload
-  (`Mix`: each kind with its share of jobs).
+* **A fragment is capacity a typical job cannot use** (`fragment`). The worker's
+  fragmentation is the expectation over the workload (`Mix`: each kind with its
+  share of jobs).
 * **Per GPU.** Free capacity is a vector of milli-GPU per device
-  (`allocator.sharing`), so a half-used GPU is a fragment for a whole-GPU job
-  and not for a small share. The scheduler scores a placement by how much it
-  grows fragmentation, on the devices the worker's allocator will give it
-  (`allocator.sharing.place`), so the score and the gate agree.
-
-Pure and cheap: plain tuples and ints; callers memoise by worker state.
+  (`allocator.sharing`), so a half-used GPU is a fragment for a whole-GPU job and
+  not for a small share. A placement is scored by how much it grows fragmentation
+  on the devices the worker's allocator will give it (`growth`), so the score and
+  the gate agree. Pure and cheap: plain tuples and ints, memoised by worker state.
 """
 
 from __future__ import annotations
@@ -130,7 +124,13 @@ def kind_of(job: PendingJob) -> Kind:
 
 
 def fragment(model: str, cpu_free: float, gpus: Sequence[int], kind: Kind) -> int:
-    """Milli-GPU of a worker in this state that a job of `kind` cannot use (module doc)."""
+    """Milli-GPU of a worker in this state that a job of `kind` cannot use.
+
+    All of its free milli-GPU when the kind cannot start there at all (too few GPUs
+    with enough milli left, too few CPU cores, a GPU model it does not accept, or no
+    GPU asked: a CPU-only job uses no GPU), else the milli left on the GPUs too full
+    for one of its GPUs.
+    """
     left = sum(gpus)
     if kind.gpus <= 0 or (kind.models and model not in kind.models) or kind.cpu > cpu_free:
         return left

@@ -3,10 +3,8 @@
 Key decisions:
 - Gangs are decided before single jobs in each pass, in fleet order of their
   first rank, against the fleet as it is; single jobs then see what the gangs
-  took. A gang is assigned only when every rank fits now on a distinct
-  eligible worker (best fit per rank: a worker with a free pool process first,
-  then the one left with the fewest free GPUs), so no rank ever runs while
-  another waits for capacity (or, where processes are reported, for a process).
+  took. A gang is assigned only when every rank fits now on a distinct eligible
+  worker (`_fit`), so no rank ever runs while another waits.
 - A gang that does not fit waits whole, with one reason for all its ranks.
   It holds no backfill reservation (a known limit: under a steady stream of
   small jobs a large gang can wait long; see docs/scheduling.md).
@@ -67,7 +65,11 @@ def place_gangs(jobs: Iterable[PendingJob], fleet: Sequence[WorkerState], now: f
 def _fit(
     ranks: list[PendingJob], fleet: list[WorkerState], now: float
 ) -> list[tuple[PendingJob, tuple[int, WorkerState]]] | str:
-    """Each rank on its own worker, or why not."""
+    """Each rank on its own worker, or why not.
+
+    Best fit per rank: a worker with a free pool process first, then the one left with
+    the fewest free GPUs, so no rank waits for capacity (or, where processes are
+    reported, for a process)."""
     used: set[str] = set()
     chosen: list[tuple[PendingJob, tuple[int, WorkerState]]] = []
     for job in ranks:

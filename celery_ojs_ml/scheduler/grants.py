@@ -1,23 +1,14 @@
 """Grants: a class of jobs sent straight to one worker while the fleet is quiet (pure).
 
 Ray's lease reuse, for the fleet scheduler (DESIGN decision 9, "grants"): when a pass
-leaves nothing waiting, every job of a class it placed on a worker would be placed
-there again by the next pass, as long as nothing else waits and that worker keeps
-room. So the leader grants the class to that worker, and publishers send the class's
-next jobs to the worker's own queue directly: no admission, no pass and no assignment
-per job. The worker's gate still checks the fit and pins devices. The grant ends (the
-leader revokes it and takes the jobs queued under it back into the pending set) as soon
-as a pass has a job that waits, or the holder has a backlog while another worker could
-start the class now, or a job sent under it has waited on the holder longer than
-`ojs_ml_grant_wait_s` (a job that waits longer is the scheduler's to order, annotate and
-place), or the holder leaves.
+leaves nothing waiting, the next jobs of a class it placed on a worker would go there
+again, so the leader grants the class to that worker and publishers send them to the
+worker's own queue directly: no admission, pass or assignment per job. The worker's
+gate still checks the fit and pins devices.
 
-Only "simple" jobs are granted: their placement depends on nothing but their class
-and the free capacity (no gang, reservation, affinity or anti-affinity rules, labels,
-escalation, and `pack` GPU affinity).
-
-Responsibility: which jobs may be granted (`grantable`), the key a publisher looks a
-grant up by (`grant_key`), and which grants a pass's decision makes (`grants_after`).
+Key decision: a grant never keeps a job waiting; it ends as soon as one waits
+(`to_revoke`). Only "simple" jobs are granted (`grantable`); `grants_after` says which
+grants a pass makes, `grant_key` the key a publisher looks a grant up by.
 """
 
 from __future__ import annotations
@@ -38,7 +29,11 @@ def grant_key(queue: str, band: str, class_id: str) -> str:
 
 
 def grantable(req: MLRequirements, *, gang: bool, labels: bool, gpu_affinity: str) -> bool:
-    """Whether a job of these requirements is placed by its class and free capacity alone."""
+    """Whether a job of these requirements is placed by its class and free capacity alone.
+
+    No gang, reservation, affinity or anti-affinity rules, declared labels or
+    escalation, and `pack` GPU affinity.
+    """
     return not (
         gang
         or labels
@@ -163,7 +158,12 @@ def to_revoke(
     """The grants to end now, key list: the holder left (`live` lacks it), jobs are
     queued on the holder (`backlog`, by worker) while another worker could start one of
     the class now (`room_elsewhere`, by key), or a job sent under the grant has waited
-    on its holder longer than the grant allows (`stale`, workers)."""
+    on its holder longer than the grant allows (`stale`, workers).
+
+    A job that waits longer than `ojs_ml_grant_wait_s` is the scheduler's to order,
+    annotate and place. A pass that leaves a job waiting also ends the grants of the
+    workers it could use (`contested`); the leader takes the jobs queued under an ended
+    grant back into the pending set."""
     alive = set(live)
     return [
         key

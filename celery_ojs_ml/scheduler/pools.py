@@ -6,13 +6,10 @@ Key decisions:
   placed, reserved for and estimated like any job; an assignment of it is a
   placement, which the live layer records instead of publishing.
 - A placed reservation holds its capacity on its worker as a running job that
-  nothing may preempt (`hold`), until it ends. Until the worker's gate reports
-  holding it, its capacity is also taken off the worker's reported free
-  capacity, so no job slips in during the gap.
-- A job naming a reservation never enters the general pass (`fill`): it is
-  assigned to the reservation's worker when it fits what is left of the
-  reservation, in fleet order, and waits there otherwise. A job whose
-  reservation ended is denied: §8.3 forbids running it anywhere else.
+  nothing may preempt (`hold`), until it ends.
+- A job naming a reservation never enters the general pass (`fill`): it waits for
+  room on the reservation's worker, in fleet order. A job whose reservation ended
+  is denied: §8.3 forbids running it anywhere else.
 """
 
 from __future__ import annotations
@@ -89,7 +86,11 @@ def open_queues(fleet: Sequence[WorkerState]) -> list[WorkerState]:
 def hold(
     fleet: Sequence[WorkerState], pools: Iterable[ReservationPool], now: float
 ) -> list[WorkerState]:
-    """Each placed reservation's unused capacity held on its worker as an unpreemptible job."""
+    """Each placed reservation's unused capacity held on its worker as an unpreemptible job.
+
+    Until the worker's gate reports holding it, its capacity is also taken off the
+    worker's reported free capacity, so no job slips in during the gap.
+    """
     placed: dict[str, list[ReservationPool]] = {}
     for pool in pools:
         if pool.worker is not None and not pool.ended:

@@ -2,18 +2,12 @@
 
 Key decisions:
 
-* **Who may be preempted** is the allocator's rule (`allocator.policy.is_victim`:
-  a preemptible job of a lower band; on-demand only for a reserved job and only
-  when `allow_on_demand_preemption`), plus two fleet rules: a job younger than
-  `min_runtime_before_preemption_s` is exempt (Slurm's `PreemptExemptTime`,
-  so a stream of short high-band jobs cannot thrash a long spot job), and so
-  is one whose `ext_mlx_scheduling_preemption_policy` is `never`.
-* **Least work lost.** On each worker, candidates are taken lowest band first,
-  then least progress since their last committed checkpoint, then fewest GPUs,
-  until the job fits; then each victim, the last taken first, is spared again
-  if the job still fits without it, so the set is minimal. Across workers the
-  plan with the lowest (highest victim band, seconds of progress lost, GPUs
-  preempted) wins.
+* **Who may be preempted** is the allocator's rule (`allocator.policy.is_victim`)
+  plus two fleet rules (`may_preempt`): a job younger than
+  `min_runtime_before_preemption_s`, or whose preemption policy is `never`, is exempt.
+* **Least work lost.** On each worker, candidates are taken lowest band first, then
+  least progress since their last committed checkpoint, then fewest GPUs, and pruned
+  to a minimal set; across workers the cheapest plan wins (`plan_cost`).
 * A worker already reserved for a job ahead, or already preempting for one,
   is never a preemption target: its capacity is promised.
 """
@@ -45,7 +39,14 @@ class Plan:
 
 
 def may_preempt(victim: RunningJob, band: str, *, now: float, policy: Policy) -> bool:
-    """Whether a job in `band` may preempt `victim` now (see module doc)."""
+    """Whether a job in `band` may preempt `victim` now (see module doc).
+
+    A preemptible job of a lower band; on-demand only for a reserved job and only when
+    `allow_on_demand_preemption`. A job younger than `min_runtime_before_preemption_s`
+    is exempt (Slurm's `PreemptExemptTime`, so a stream of short high-band jobs cannot
+    thrash a long spot job), and so is one whose `ext_mlx_scheduling_preemption_policy`
+    is `never`.
+    """
     if not victim.preemptible or victim.preemption_policy == "never":
         return False
     if victim.preempted_for is not None or rank(victim.band) >= rank(band):
@@ -83,7 +84,9 @@ class Preemptor:
 
     Workers are visited by a lower bound of their plan's cost (the lowest band
     and the least progress among their candidates), so the search stops as
-    soon as no unvisited worker can beat the best plan found.
+    soon as no unvisited worker can beat the best plan found. On a worker, victims
+    are taken in `victim_order` until the job fits; then each, the last taken first,
+    is spared again if the job still fits without it, so the set is minimal.
     """
 
     def __init__(self, view: FleetView, policy: Policy | None = None) -> None:

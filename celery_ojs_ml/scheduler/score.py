@@ -1,25 +1,12 @@
 """The placement score: which of the workers where a job fits now should take it.
 
-Key decision: one plain number, 0-100, higher is better, shared by the
-scheduler and `celery-ojs-ml explain`. It blends packing (how little the
-placement fragments the fleet) with matching's soft-constraint score
-(preferred affinity §7.2, model locality §11.3), by `Policy.affinity_weight`.
-
-Packing follows FGD (Weng et al., ATC'23), per GPU (`scheduler.frag`): the
-free milli-GPU of a worker are a fragment for every kind of job in the
-workload that cannot use them; the placement that grows the expected fragment
-least wins. The growth is scored as FGD scores it, `100 * sigmoid(-growth /
-1000)` cut to whole points, so placements within a few hundred milli-GPU of
-each other tie. Best fit on GPUs (fewest left over) breaks those ties, at a
-weight too small to trade against a point of fragmentation, then fleet order.
-`bench/replay.py --mode fgd` measured the choices on the Alibaba trace
-(docs/performance.md; seeds 0-1): without the GPU tie-break 93.8% of the GPUs
-are allocated at 130% load, with it 95.4%; best fit on cores and memory as the
-tie-break gives 90.5%, so host fit is reported but not weighed. A CPU job takes
-the worker with the fewest free GPUs (a CPU worker first), a 1-GPU job the
-1-GPU worker, and an idle 8-GPU worker stays whole. `spread` inverts the GPU
-terms (most left over); `dedicated` is placed like `pack` and takes the whole
-worker.
+Key decision: one plain number, 0-100, higher is better, shared by the scheduler and
+`celery-ojs-ml explain`. It blends packing (how little the placement fragments the
+fleet) with matching's soft-constraint score (preferred affinity §7.2, model locality
+§11.3), by `Policy.affinity_weight`. Packing follows FGD (Weng et al., ATC'23), per GPU
+(`scheduler.frag`): the placement that grows the expected fragment least wins, best
+fit on GPUs breaks ties, then fleet order (`score_placement`). The weights come from
+the trace replay (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -42,7 +29,7 @@ from celery_ojs_ml.spec.resources import MLRequirements
 FRAGMENTATION_WEIGHT = 0.995
 GPU_FIT_WEIGHT = 0.005
 HOST_FIT_WEIGHT = 0.0
-"""Reported by `explain`, not weighed: best fit on cores and memory allocates less (module doc)."""
+"""Reported by `explain`, not weighed: best fit on cores and memory allocates less."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +117,18 @@ def score_placement(
     gpu_affinity: GpuAffinity = "pack",
     policy: Policy = DEFAULT_POLICY,
 ) -> PlacementScore:
-    """The score of placing `req` on a worker with `caps` and `free` now (see module doc)."""
+    """The score of placing `req` on a worker with `caps` and `free` now.
+
+    The free milli-GPU of a worker are a fragment for every kind of job in the
+    workload that cannot use them; the placement that grows the expected fragment
+    least wins, scored as FGD scores it (`fgd_points`), so placements within a few
+    hundred milli-GPU of each other tie. Best fit on GPUs (fewest left over) breaks
+    those ties, at a weight too small to trade against a point of fragmentation;
+    host fit is reported but not weighed. So a CPU job takes the worker with the
+    fewest free GPUs (a CPU worker first), a 1-GPU job the 1-GPU worker, and an idle
+    8-GPU worker stays whole. `spread` inverts the GPU terms (most left over);
+    `dedicated` is placed like `pack` and takes the whole worker.
+    """
     running = free.running_labels
     affinity = soft_score(req, caps, locality_weight=policy.locality_weight, running=running)
     return placement(

@@ -1,25 +1,14 @@
 """Which waiting jobs a pass between full passes decides, without reading the whole backlog.
 
-Between full passes the live leader decides only the first `queue_depth` jobs in
-fleet order (Slurm's default_queue_depth, `Policy.queue_depth`). Finding them by
-parsing, escalating and sorting every waiting job made each pass O(backlog): with
-10,000 jobs waiting the leader spent 8 ms of CPU per job it started
-(`bench/dispatch_cpu.py --tasks 10000 --segments 1`).
+Between full passes the leader decides only the first `queue_depth` jobs in fleet
+order (Slurm's default_queue_depth, `Policy.queue_depth`); finding them by ordering
+every waiting job made each pass O(backlog).
 
-Key decision: the leader keeps a *window*, the first `size` waiting jobs in order
-as of its last complete ordering. A job outside the window that has not changed
-since orders after every job in it: its band, priority and submit time are what
-they were, and escalation, the one change time alone makes (§8.4), is handled by
-deciding every job that may escalate on every pass. So while at least
-`queue_depth` unchanged window jobs still wait, the first `queue_depth` jobs in
-order of (unchanged window jobs, changed jobs, jobs new since, jobs always
-decided) are the first `queue_depth` of the whole backlog, and a pass feeds the
-core only those (`Window.pick`). When fewer remain, `pick` says so and the leader
-orders the whole backlog again (`Window.of`), once per `size - queue_depth` jobs
-started at most.
-
-Jobs always decided: gang ranks and jobs of a reservation (the core places them
-apart from fleet order) and jobs that may escalate.
+Key decision: the leader keeps a *window*, the first `size` waiting jobs as of its
+last complete ordering. An unchanged job outside it orders after every job in it, so
+while enough unchanged window jobs wait, a pass feeds the core only those, the
+changed and new jobs and the jobs always decided (`Window.pick`); otherwise the
+leader orders the whole backlog again (`Window.of`).
 """
 
 from __future__ import annotations
@@ -32,7 +21,11 @@ from celery_ojs_ml.scheduler.model import PendingJob
 
 
 def always_decided(job: PendingJob) -> bool:
-    """Whether every pass decides `job`, wherever it is in order (see module doc)."""
+    """Whether every pass decides `job`, wherever it is in order.
+
+    Gang ranks and jobs of a reservation (the core places them apart from fleet
+    order), and jobs that may escalate.
+    """
     req = job.req
     return (
         job.gang is not None
@@ -43,7 +36,19 @@ def always_decided(job: PendingJob) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """The first jobs in order at the last complete ordering (see module doc)."""
+    """The first jobs in order at the last complete ordering.
+
+    A job outside the window that has not changed since orders after every job in
+    it: its band, priority and submit time are what they were, and escalation, the
+    one change time alone makes (§8.4), is handled by deciding every job that may
+    escalate on every pass. So while at least `queue_depth` unchanged window jobs
+    still wait, the first `queue_depth` jobs in order of (unchanged window jobs,
+    changed jobs, jobs new since, jobs always decided) are the first `queue_depth` of
+    the whole backlog. When fewer remain the leader orders everything again, once per
+    `size - queue_depth` jobs started at most. Ordering all of 10,000 waiting jobs
+    cost the leader 8 ms of CPU per job it started (`bench/dispatch_cpu.py --tasks
+    10000 --segments 1`).
+    """
 
     head: tuple[str, ...]
     """The first `size` waiting jobs' task ids, in fleet order."""

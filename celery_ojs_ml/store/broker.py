@@ -1,38 +1,15 @@
 """Reliable intake for Redis brokers: no job is lost when the scheduler is killed.
 
-kombu's Redis transport takes a message off its list with `BRPOP` and only
-then records it as unacked (`QoS.append`); a process killed in between loses
-it (kombu#305). For the intake queue, the one queue whose loss nothing else
-would notice, the leader reads the broker's lists itself instead:
+kombu's Redis transport takes a message off its list (`BRPOP`) before it records it as
+unacked, so a process killed in between loses it. For the intake queue, whose loss
+nothing else would notice, the leader reads the broker's lists itself (`RedisIntake`);
+on that Redis, wake-ups and deliveries are pushed directly (`wake_list`, `envelope`).
 
-* A message is moved, atomically (one Lua script per batch), from the intake
-  lists into a processing list in the broker's Redis. It leaves that list only
-  once its job is in the pending set (`done`), so a leader killed at any
-  instant leaves every message it took there.
-* A new leader (or the same one after an error) first takes what the
-  processing list holds (`recover`). Admission is idempotent per published
-  message (`ojs_msg`, see `PendingBook.admit_many`), so a message admitted just
-  before the kill is not admitted twice.
-* With nothing to read, the leader blocks on the priority-0 list (where
-  wake-ups and jobs without a priority land) in slices of `POLL_S`; a job
-  published with a Celery priority of 3 or more waits at most that long.
-* A worker whose store is the broker's Redis pushes its wake-ups on that list
-  itself (`wake_list`, `wake_message`), in the same round trip as its
-  advertisement, instead of a kombu publish (an exchange lookup and a publish:
-  the largest part of what a finished job cost the worker's main process).
-
-* The leader pushes each assignment's message onto its worker's list itself,
-  in the same Lua call that records the assignment (`envelope`,
-  `PendingBook.assign(push=)`), under the same conditions as the wake-ups,
-  instead of a kombu publish after it: one round trip per assignment instead
-  of two, and no kombu publish path. The message is built by the channel's own
-  `prepare_message` and `_inplace_augment_message`, so it is what kombu would
-  have pushed.
-
-This is the one module that relies on kombu's Redis list layout; checked
-against kombu 5.7.0, and `tests/integration/test_redis_intake.py` fails when
-the layout changes. Brokers other than Redis keep the kombu consumer: AMQP
-brokers hold unacked messages on the server, so they have no such window.
+Key decision: a message is moved atomically onto a processing list
+(`<intake>.ojs-processing`) and leaves it only once its job is in the pending set. The
+one module that relies on kombu's Redis list layout: checked against kombu 5.7.0, and
+`tests/integration/test_redis_intake.py` fails when it changes. Other brokers keep the
+kombu consumer: AMQP brokers hold unacked messages on the server, with no such window.
 """
 
 from __future__ import annotations
@@ -207,7 +184,11 @@ def supports(channel: Any) -> bool:
 def wake_list(app: Any, intake: str) -> str | None:
     """The intake's priority-0 list, where a worker may push its wake-ups with the store's
     own client: when the store is the broker's Redis (`ojs_ml_store_url` unset or the
-    broker URL) and kombu adds no `global_keyprefix`; else None (publish through kombu)."""
+    broker URL) and kombu adds no `global_keyprefix`; else None (publish through kombu).
+
+    The worker pushes them in the same round trip as its advertisement, instead of a
+    kombu publish (an exchange lookup and a publish: the largest part of what a finished
+    job cost the worker's main process)."""
     broker = str(app.conf.broker_url or "")
     store = app.ojs_ml.settings.store_url
     options = app.conf.broker_transport_options or {}
@@ -235,7 +216,12 @@ def envelope(
 ) -> tuple[str, bytes]:
     """`(list key, raw)`: `body` published to the default exchange with routing key
     `queue`, as kombu's Redis transport LPUSHes it (`Producer.publish` ->
-    `Channel.basic_publish` -> `Channel._put`); checked against kombu 5.7.0."""
+    `Channel.basic_publish` -> `Channel._put`); checked against kombu 5.7.0.
+
+    The leader pushes it in the same Lua call that records the assignment
+    (`PendingBook.assign(push=)`), under the conditions of `wake_list`: one round trip
+    per assignment instead of two. It is built by the channel's own `prepare_message`
+    and `_inplace_augment_message`, so it is what kombu would have pushed."""
     from kombu.utils.json import dumps
 
     props = dict(properties)
@@ -304,7 +290,18 @@ class IntakeMessage:
 
 
 class RedisIntake:
-    """The intake queue's lists and the processing list, read by the leader only."""
+    """The intake queue's lists and the processing list, read by the leader only.
+
+    A message is moved, atomically (one Lua script per batch), from the intake lists
+    into the processing list, and leaves it only once its job is in the pending set
+    (`done`), so a leader killed at any instant leaves every message it took there. A
+    new leader (or the same one after an error) first takes what the processing list
+    holds (`recover`); admission is idempotent per published message (`ojs_msg`, see
+    `PendingBook.admit_many`), so a message admitted just before the kill is not
+    admitted twice. With nothing to read, the leader blocks on the priority-0 list
+    (where wake-ups and jobs without a priority land) in slices of `POLL_S`; a job
+    published with a Celery priority of 3 or more waits at most that long.
+    """
 
     def __init__(self, channel: Any, queue: str, batch: int) -> None:
         pool = channel.pool

@@ -16,6 +16,7 @@ from celery import Celery
 
 from celery_ojs_ml.store.checkpoints import last_checkpoint_of
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.headers import plugin_publish
 from celery_ojs_ml.wire.records import republish_headers
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,15 @@ def republish_request(
     checkpoint (None: none committed)."""
     headers = req.request_dict
     checkpoint = last_checkpoint_of(store, req.id)
-    app.send_task(
-        req.name,
-        args=list(req.args),
-        kwargs=dict(req.kwargs),
-        task_id=req.id,
-        retries=int(headers.get("retries") or 0),
-        headers=republish_headers(headers, ojs_last_checkpoint=checkpoint, **counters),
-    )
+    with plugin_publish():  # the plugin's own headers are kept
+        app.send_task(
+            req.name,
+            args=list(req.args),
+            kwargs=dict(req.kwargs),
+            task_id=req.id,
+            retries=int(headers.get("retries") or 0),
+            headers=republish_headers(headers, ojs_last_checkpoint=checkpoint, **counters),
+        )
     return checkpoint
 
 
@@ -80,13 +82,14 @@ def retry_dead(app: Celery, store: OJSStore, task_id: str) -> bool:
     headers = {k: v for k, v in record["headers"].items() if k != "ojs_crashes"}
     if record.get("last_checkpoint"):
         headers["ojs_last_checkpoint"] = record["last_checkpoint"]
-    app.send_task(
-        record["name"],
-        args=record["args"],
-        kwargs=record["kwargs"],
-        task_id=task_id,
-        headers=headers,
-    )
+    with plugin_publish():  # the plugin's own headers are kept
+        app.send_task(
+            record["name"],
+            args=record["args"],
+            kwargs=record["kwargs"],
+            task_id=task_id,
+            headers=headers,
+        )
     with store.client.pipeline(transaction=True) as pipe:
         pipe.delete(store.key("dead", task_id))
         pipe.zrem(store.key("dead-index"), task_id)

@@ -3,15 +3,13 @@
 Key decisions:
 * The two writes on every job's hot path, take and release, go through a
   `LeaseWriter`. In a worker with an event loop (prefork) it batches them: a
-  lease is written once its job has run for a short delay (2 ms on an idle
-  worker, `ojs_ml_lease_write_delay_ms` on a busy one), together with every
-  queued release, as one Lua call (releases token-checked) on a connection of
-  its own, so the write is off the task's start-up path and costs one round
-  trip per batch. The broker message is acked only when its lease is written;
-  a job that finishes before that needs no lease at all.
-* Without an event loop (threads pool, the embedded demo) each write is made at
-  once. Where the server has no scripting (fakeredis without lupa) the
-  `LeaseBook` falls back to a MULTI pipeline and its compare-and-set.
+  lease is written once its job has run for a short delay (`IDLE_DELAY_S`,
+  `BUSY_DELAY_S`), together with every queued release, as one Lua call (releases
+  token-checked) on a connection of its own, so the write is off the task's start-up
+  path and costs one round trip per batch. The broker message is acked only when its
+  lease is written; a job that finishes before that needs no lease at all.
+* Without an event loop (threads pool, the embedded demo) each write is made at once;
+  without scripting (fakeredis without lupa) `LeaseBook` falls back to MULTI.
 """
 
 from __future__ import annotations
@@ -28,7 +26,9 @@ from typing import Any, Protocol, cast
 
 import redis
 
+from celery_ojs_ml.store import granted_jobs
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.store.resp import pack_command
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class LeaseWriter:
         self._takes: dict[str, tuple[str, Record, Callable[[bool], None], float]] = {}
         """token -> (task id, record, written, due); due times never decrease."""
         self._releases: list[tuple[str, str]] = []
+        self._forgets: dict[str, list[str]] = {}
+        """hash key -> fields to delete with the next batch (`forget`)."""
         self._timer_at: float | None = None
         self._last_take = -1e9
         self._conn: Any = None
@@ -171,6 +173,23 @@ class LeaseWriter:
         now = self._clock()  # sent with the next batch; soon on an idle worker
         self._schedule(now + self._delays[now - self._last_take < BUSY_WINDOW_S])
 
+    def forget(self, key: str, field: str) -> None:
+        """Queue `HDEL key field` (a granted job's record: `store.granted_jobs`)."""
+        if self._defer is None:
+            granted_jobs.forget_many(self.book.store, {key: [field]})
+            return
+        self._forgets.setdefault(key, []).append(field)
+        self._schedule(self._clock() + self._delays[1])
+
+    def _send_forgets(self) -> None:
+        forgets, self._forgets = self._forgets, {}
+
+        def sync() -> None:
+            granted_jobs.forget_many(self.book.store, forgets)
+
+        if forgets and not self.fire([("HDEL", k, *f) for k, f in forgets.items()], sync):
+            sync()
+
     def pending(self) -> int:
         """Queued writes not yet sent, plus batches sent whose reply has not been read."""
         return len(self._takes) + len(self._releases) + len(self._inflight)
@@ -200,6 +219,7 @@ class LeaseWriter:
         for token, _ in takes:
             del self._takes[token]
         releases, self._releases = self._releases, []
+        self._send_forgets()
         if takes or releases:
             leases: list[tuple[str, str, float]] = []
             callbacks: list[Callable[[bool], None]] = []
@@ -376,21 +396,3 @@ class LeaseWriter:
         self._fd = None
         if conn is not None:
             conn.disconnect()
-
-
-def pack_command(*args: str | bytes | int | float | None) -> bytes:
-    """One Redis command in RESP, as redis-py would send it (UTF-8, numbers by `repr`).
-
-    The lease batch is the one command the worker sends per few jobs; packing
-    it here costs a fraction of redis-py's general packer.
-    """
-    out = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        else:
-            data = repr(arg).encode()
-        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(out)

@@ -1,26 +1,14 @@
 """Leases of running ML jobs (DESIGN decision 4): Redis records, not unacked messages.
 
-Key decisions:
-* When the gate starts an ML job it writes a lease (the job's task name,
-  arguments, canonical headers, retries, worker, allocation and a deadline)
-  and only then acks the broker message. So a multi-hour job is never
-  redelivered by Redis' `visibility_timeout` and never trips RabbitMQ's
-  `consumer_timeout`, and a crash loses nothing: the lease outlives the worker.
-* A lease is a plain key without TTL plus a sorted-set index by deadline, so an
-  expired lease is still readable by whoever claims it. A claim is a
-  WATCH/MULTI compare-and-set on the lease (no Lua, so fakeredis works), which
-  makes exactly one claimer win.
-* Every write carries a random token; release and refresh only touch a lease
-  whose token is still theirs, so a late release by a dead incarnation (or by
-  the claimer, after the re-published job already started elsewhere and wrote
-  its own lease) never deletes someone else's lease, and a heartbeat racing a
-  claim never writes the old token back. Refresh checks and writes in one Lua
-  call; it splices the new deadline into the stored JSON instead of decoding
-  and re-encoding it (Lua's cjson would turn `[]` into `{}` and round floats),
-  which is why `deadline` is always a lease's last field. Without scripting it
-  is a WATCH/MULTI transaction over the owner's leases.
-* The hot-path writes (take and release) are batched by `lease_writer.LeaseWriter`,
-  re-exported here, as is `wire.records.republish_headers`.
+Key decision: the gate writes a job's lease (what a re-publish needs, its worker,
+allocation and deadline) before it acks the broker message, so a multi-hour job never
+trips a broker's redelivery timeout and a crash loses nothing. Every write carries a
+random token; release, refresh and claims only touch a lease whose token is theirs.
+Hot-path writes are batched by `lease_writer.LeaseWriter` (re-exported here).
+
+Layout: `<prefix>:{ml}:lease:<task>`                string  lease JSON, no TTL
+        `<prefix>:{ml}:leases`                      zset    task id -> deadline
+        `<prefix>:{ml}:lease-taken:<task>:<token>`  string  `mark_taken_back`
 """
 
 from __future__ import annotations
@@ -41,9 +29,9 @@ from celery_ojs_ml.store.lease_writer import (
     Batch,
     LeaseWriter,
     Record,
-    pack_command,
 )
 from celery_ojs_ml.store.registry import NO_SCRIPTING, OJSStore
+from celery_ojs_ml.store.resp import pack_command
 from celery_ojs_ml.wire.records import republish_headers
 
 __all__ = [
@@ -67,7 +55,20 @@ _NO_SCRIPTING = NO_SCRIPTING
 
 
 class LeaseBook:
-    """Lease records of one store; every method is safe to call from any worker."""
+    """Lease records of one store; every method is safe to call from any worker.
+
+    A lease is a plain key without TTL plus a sorted-set index by deadline, so an
+    expired lease is still readable by whoever claims it. A claim is a WATCH/MULTI
+    compare-and-set on the lease (no Lua, so fakeredis works), which makes exactly one
+    claimer win. Because release and refresh check the token, a late release by a dead
+    incarnation (or by the claimer, after the re-published job already started
+    elsewhere and wrote its own lease) never deletes someone else's lease, and a
+    heartbeat racing a claim never writes the old token back. Refresh checks and writes
+    in one Lua call that splices the new deadline into the stored JSON instead of
+    decoding and re-encoding it (Lua's cjson would turn `[]` into `{}` and round
+    floats), which is why `deadline` is always a lease's last field; without scripting
+    it is a WATCH/MULTI transaction over the owner's leases.
+    """
 
     def __init__(self, store: OJSStore, ttl_s: float) -> None:
         self.store = store

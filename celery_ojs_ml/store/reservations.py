@@ -1,21 +1,15 @@
 """Dynamic reservations (OJS ML §8.3): the store records, the publish check, the worker pools.
 
-Responsibility: one record per reservation in the store hash
-`<prefix>:reservations`, written by `OJSML.reserve`/`release` and the elected
-scheduler (placement, expiry), read by the router (the §8.3 check at
-publish), the scheduler (`ReservationPool`s for the pure core) and each worker
-(the pools its gate holds). The pure rules live in `scheduler.pools` and
-`allocator.pools`.
+Responsibility: one record per reservation, written by `OJSML.reserve`/`release` and
+the elected scheduler (placement, expiry), read by the router (the §8.3 check at
+publish), the scheduler (`ReservationPool`s for the pure core) and each worker (the
+pools its gate holds). The pure rules live in `scheduler.pools` and `allocator.pools`.
 
-Key decisions:
-- A record moves waiting -> placed -> ended. An ended record is kept for
-  `_ENDED_KEEP_S` so that a job naming it is denied with the reason instead of
-  waiting for ever; then it is deleted.
-- Placement is a compare-and-set (WATCH/MULTI), so a release racing the
-  scheduler's placement is never undone.
-- A job's own `ext_ml_reservation_timeout_s` keeps its reservation held at
-  least that long from the job's publication (it extends `expires_at`, up to
-  `ojs_ml_max_reservation_s`); the reservation's own timeout is the floor.
+Key decision: a record moves waiting -> placed -> ended, each change a compare-and-set
+(WATCH/MULTI), so a release racing the scheduler's placement is never undone; an ended
+record is kept for `_ENDED_KEEP_S` so that a job naming it is denied with the reason.
+
+Layout: `<prefix>:{ml}:reservations`  hash  reservation id -> JSON record
 """
 
 from __future__ import annotations
@@ -261,7 +255,11 @@ def check_at_publish(
     max_hold_s: float,
     parse: Parse,
 ) -> None:
-    """§8.3 MUST verify: the reservation exists, is not over, and can hold the job."""
+    """§8.3 MUST verify: the reservation exists, is not over, and can hold the job.
+
+    A job's own `ext_ml_reservation_timeout_s` keeps its reservation held at least that
+    long from its publication (it extends `expires_at`, up to `ojs_ml_max_reservation_s`);
+    the reservation's own timeout is the floor."""
     rid = req.ext_ml_reservation_id
     if rid is None:
         return

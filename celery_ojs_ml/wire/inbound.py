@@ -3,11 +3,7 @@
 Responsibility: turn a message's headers into the requirements the gate
 allocates for, or a `BadMessage` with the reason, never anything else. Anyone
 who can publish to the broker can put any `ojs_*` or `ext_ml_*` header on a
-message, so nothing here trusts them: requirements are re-validated with the
-app's own bounds (the same ones the router used), the plugin's private headers
-are dropped (only the gate sets them), and the counters and records the plugin
-reads later are type-checked now, while the message can still be refused
-cleanly instead of failing deep in a timer or a child.
+message, so nothing here trusts them (`InboundCheck.requirements`).
 
 Key decision: parsed requirements are memoised in a bounded LRU keyed by the
 `ext_ml_*` headers. The key's length is the size of those headers, so the size
@@ -28,7 +24,7 @@ from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
 from celery_ojs_ml.wire import headers as h
 
 HEADER_CLASS = h.CLASS
-GATE_HEADERS = (h.DEVICES, h.NODE, h.PIN, h.LEASE)
+GATE_HEADERS = h.GATE
 """Set by the gate on dispatch; a producer's values are forged and dropped."""
 COUNTERS = (h.CRASHES, h.PREEMPTIONS, "retries")
 """Counters the worker does arithmetic on later (re-publish, preemption cap)."""
@@ -50,7 +46,13 @@ class InboundCheck:
         self._cache: LRU[str, tuple[MLRequirements, str]] = LRU(_CACHE_SIZE)
 
     def requirements(self, headers: dict[str, Any]) -> MLRequirements | None:
-        """The job's requirements, None for a plain task; raises `BadMessage`."""
+        """The job's requirements, None for a plain task; raises `BadMessage`.
+
+        Requirements are re-validated with the app's own bounds (the same ones the router
+        used), the plugin's private headers are dropped (only the gate sets them), and
+        the counters and records the plugin reads later are type-checked now, while the
+        message can still be refused cleanly instead of failing deep in a timer or a child.
+        """
         for key in GATE_HEADERS:
             headers.pop(key, None)
         cid = headers.get(HEADER_CLASS)

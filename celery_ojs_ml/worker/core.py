@@ -2,11 +2,8 @@
 
 Key decisions (research/celery-internals.md §1-§4):
 * One consumer bootstep per consumer (never process-wide), as Celery's own
-  consumer steps are; it builds its collaborators once and only wires them:
-  the gate (`gate`), lease keeping (`lease_keeping`), grants (`granted`),
-  assignments (`assigned`), preemption (`preemption`), the advertisement and
-  wake-ups (`advertising`), the queues (`subscription`) and reservations
-  (`reservations`). They share the per-job state in `running.Running`.
+  consumer steps are; it builds its collaborators once and only wires them
+  (`MLWorker`). They share the per-job state in `running.Running`.
 * The gate wraps `consumer.on_task_request` in the step's `__init__`, before
   strategies capture it. `start()` opens the collaborators on the store and the
   event loop; it runs again after every reconnect.
@@ -92,7 +89,13 @@ def install(
 
 
 class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Capabilities, advertisement, subscription and the gate of one consumer."""
+    """Capabilities, advertisement, subscription and the gate of one consumer.
+
+    Its collaborators: the gate (`gate`), lease keeping (`lease_keeping`), grants
+    (`granted`), assignments (`assigned`), preemption (`preemption`), the advertisement
+    and wake-ups (`advertising`), the queues (`subscription`) and reservations
+    (`reservations`).
+    """
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
     label = "ojs-ml"

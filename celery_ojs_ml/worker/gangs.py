@@ -8,10 +8,7 @@ Key decisions:
   otherwise hold its worker until torch's own timeout.
 - A stopped or failed rank is re-published with the same id and its last
   checkpoint until the gang has crashed `ojs_ml_max_crashes` times; then it
-  fails with `STOPPED` (or its own error).
-- `MASTER_ADDR` for gangs whose rank 0 runs here is the address the worker
-  advertises (`ojs_ml_advertise_address`, default `primary_address()`); the
-  leader places gangs and draws their rendezvous (`leader.gangs`).
+  fails with `STOPPED` (or its own error). The leader places gangs (`leader.gangs`).
 """
 
 from __future__ import annotations
@@ -33,7 +30,10 @@ log = logging.getLogger(__name__)
 
 
 def primary_address() -> str:
-    """The address other hosts reach this one by (the interface of the default route)."""
+    """The address other hosts reach this one by (the interface of the default route).
+
+    The worker advertises it (unless `ojs_ml_advertise_address` is set), and the leader
+    makes it `MASTER_ADDR` for the gangs whose rank 0 runs here (`leader.gangs`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks a route

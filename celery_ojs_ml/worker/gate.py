@@ -73,6 +73,7 @@ class Gate:
         self.preemptions, self.grants, self.assignments = preemptions, grants, assignments
         self._take_lease, self._failing = leases.take_lease, leases.failing
         self._ack, self._release_lease = leases.ack, leases.release_lease
+        self._forget_granted = leases.forget_granted
         self.resubscribe, self.hold_reservations = resubscribe, hold_reservations
         self.wake_scheduler, self.holds_model = wake_scheduler, holds_model
         self.store: OJSStore = None  # type: ignore[assignment]
@@ -127,6 +128,7 @@ class Gate:
     def _gate_granted(self, req: Any, ml: MLRequirements, epoch: str) -> Any:
         """A job published under a grant (`worker.granted`): run it while the grant
         is this worker's, else give it back to the intake."""
+        self._forget_granted(req.id)
         if not self.grants.grant_current(epoch):
             self.grants.give_back_granted(req, "its class's grant ended")
             return None

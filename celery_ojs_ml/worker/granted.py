@@ -1,37 +1,15 @@
 """The gate's side of a grant: run the class's jobs while the grant is this worker's.
 
-`scheduler.grants` says what a grant is.
+`scheduler.grants` says what a grant is. The worker knows its grants (`mine`: field ->
+epoch) from the store, read at every heartbeat and when a job arrives under an epoch it
+does not know.
 
-Key decisions:
-* The worker knows its grants (`mine`: field -> epoch) from the store: read at every
-  heartbeat, when an assignment arrives (at most every `_REREAD_S`: assignments flow
-  again once a grant ends), and when a job arrives under an epoch it does not know.
-  A job whose epoch is not among them is given back to the intake with its message,
-  task id and headers unchanged: the leader admits and places it as any other, so a
-  revoked grant costs that job a hop (and its submit time), never its run.
-* A granted job that does not fit yet waits at the gate inside Celery's own prefetch
-  limit (plain Celery's behaviour: the prefork pool takes what it prefetched as
-  processes free up), not beside it as an assignment held ahead does. The first such
-  hold wakes the leader (at most every `ojs_ml_scheduler_interval_s`), which may end
-  the grant where another worker has room. One held `ojs_ml_grant_wait_s` while no
-  granted job started here for as long (the holder is blocked, not draining) is given
-  back to the intake, and the scheduler orders, annotates and places it; so is one of
-  a grant that ended (grants are read again every tick while any is held, and before
-  the pump starts one).
-* While it holds a grant, the worker's consumer reads about as far ahead as plain
-  Celery's (`sync_prefetch`): the `ojs_ml_prefetch` raise makes room for the jobs the
-  leader delivers ahead, and a holder's next jobs come from the publishers instead. It
-  keeps only what leaves one job ready beyond those its pool can run (`granted_raise`:
-  one with `-c` as many processes as GPUs and a prefetch multiplier of 1, none with
-  Celery's default multiplier of 4). Jobs read past that would only wait at the gate,
-  each costing a hold and a pump that plain Celery's pool buffer does not
-  (`bench/dispatch_cpu.py --grants`). The whole raise comes back when the
-  holder's last grant ends.
-* A granted job's end does not wake the leader while the grant holds and nothing else
-  waits at this gate: nothing waits in the fleet either (a grant lives only while
-  nothing does), and the next job of the class is already on its way here. That wake-up
-  and its advertisement are most of what a finished job costs the fleet's CPU
-  (`bench/dispatch_cpu.py`); the heartbeat still advertises.
+Key decision: a grant's end delays a granted job, never loses or strands it. A job
+whose epoch is not this worker's, or that waits too long at a blocked holder, is given
+back to the intake with its message, task id and headers unchanged, and the leader
+admits and places it as any other. While a grant holds, the consumer reads about as far
+ahead as plain Celery's (`sync_prefetch`), and a granted job's end does not wake the
+leader (`quiet_release`).
 """
 
 from __future__ import annotations
@@ -71,7 +49,33 @@ def epoch_of(req: Any) -> str | None:
 
 
 class Grants:
-    """`mine`, `grant_current`, `give_back_granted`, `quiet_release` (see module doc)."""
+    """`mine`, `grant_current`, `give_back_granted`, `quiet_release`: this worker's grants.
+
+    * Grants are read at every heartbeat, when an assignment arrives (at most every
+      `_REREAD_S`: assignments flow again once a grant ends), and when a job arrives
+      under an epoch this worker does not know (`grant_current`).
+    * A granted job that does not fit yet waits at the gate inside Celery's own
+      prefetch limit (plain Celery's behaviour: the prefork pool takes what it
+      prefetched as processes free up), not beside it as an assignment held ahead
+      does. The first such hold wakes the leader (`hold_granted`), which may end the
+      grant where another worker has room. One held `ojs_ml_grant_wait_s` while no
+      granted job started here for as long (the holder is blocked, not draining) is
+      given back to the intake, and so is one of a grant that ended (grants are read
+      again every tick while any is held, and before the pump starts one).
+    * While it holds a grant, the consumer keeps only what leaves one job ready beyond
+      those its pool can run (`granted_raise`: one with `-c` as many processes as GPUs
+      and a prefetch multiplier of 1, none with Celery's default multiplier of 4): the
+      `ojs_ml_prefetch` raise makes room for the jobs the leader delivers ahead, and a
+      holder's next jobs come from the publishers instead. Jobs read past that would
+      only wait at the gate, each costing a hold and a pump that plain Celery's pool
+      buffer does not (`bench/dispatch_cpu.py --grants`). The whole raise comes back
+      when the holder's last grant ends.
+    * A granted job's end does not wake the leader while the grant holds and nothing
+      else waits at this gate: nothing waits in the fleet either (a grant lives only
+      while nothing does), and the next job of the class is already on its way here.
+      That wake-up and its advertisement are most of what a finished job costs the
+      fleet's CPU (`bench/dispatch_cpu.py`); the heartbeat still advertises.
+    """
 
     def __init__(
         self,
@@ -136,7 +140,7 @@ class Grants:
     def sync_prefetch(self) -> None:
         """The raise of the consumer's QoS: `ojs_ml_prefetch` while this worker holds no
         grant; while it holds one, only what keeps one job ready beyond those its pool
-        can run (`granted_raise`; module doc). `c.qos` applies it at its next update."""
+        can run (`granted_raise`; class doc). `c.qos` applies it at its next update."""
         if self.prefetch_raise is None:
             return
         want = self.granted_raise() if self.mine else int(self.settings.prefetch)
@@ -215,7 +219,7 @@ class Grants:
         drop(req)
 
     def quiet_release(self, req: Any) -> bool:
-        """Whether a job's end may skip the leader's wake-up (see module doc)."""
+        """Whether a job's end may skip the leader's wake-up (see the class doc)."""
         epoch = epoch_of(req)
         if epoch is None or epoch not in self.mine.values():
             return False

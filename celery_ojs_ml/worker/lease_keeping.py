@@ -20,10 +20,11 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.store import granted_jobs
 from celery_ojs_ml.store.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.store.registry import OJSStore
-from celery_ojs_ml.wire.headers import RENDEZVOUS
+from celery_ojs_ml.wire.headers import RENDEZVOUS, plugin_publish
 from celery_ojs_ml.wire.records import republish_headers, request_record
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.gangs import (
@@ -113,6 +114,11 @@ class LeaseKeeper:
             lambda ok: self._lease_written(req, ok),
         )
         req.request_dict["ojs_lease"] = token  # the child's checkpoint commits check it
+
+    def forget_granted(self, task_id: str) -> None:
+        """A job sent under a grant is in this worker's hands (kombu holds it unacked):
+        its publisher's record is no longer needed (`store.granted_jobs`)."""
+        self.writer.forget(granted_jobs.key(self.store, self.hostname), task_id)
 
     def _lease_written(self, req: Any, ok: bool) -> None:
         """The lease of `req` exists (or it ended first): ack; else the message holds it."""
@@ -261,14 +267,15 @@ class LeaseKeeper:
         log.warning(
             "ojs-ml: re-publishing %s[%s]: %s (crash %d)", lease["name"], task_id, why, crashes
         )
-        self.app.send_task(
-            lease["name"],
-            args=lease["args"],
-            kwargs=lease["kwargs"],
-            task_id=task_id,
-            retries=lease["retries"],
-            headers=headers,
-        )
+        with plugin_publish():  # the plugin's own headers are kept
+            self.app.send_task(
+                lease["name"],
+                args=lease["args"],
+                kwargs=lease["kwargs"],
+                task_id=task_id,
+                retries=lease["retries"],
+                headers=headers,
+            )
         self.leases.release(task_id, token)
 
     def _already_finished(self, task_id: str) -> bool:

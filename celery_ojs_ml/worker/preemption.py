@@ -1,26 +1,12 @@
 """Priority preemption on one worker (OJS ML §8, DESIGN decision 5).
 
-Key decisions:
-* Cooperative first, then forced. The gate sets the job's preemption flag (a
-  Redis key the checkpoint helper polls, plus SIGUSR2 to the pool child, whose
-  handler only sets a flag), and arms a timer for the grace period
-  (`ext_ml_preemption_grace_period_s`, default 30 s). A task that checkpoints
-  and raises `Preempted` in time yields cleanly; one that does not is killed
-  through the pool (`terminate_job(pid, SIGKILL)`). Never `revoke(terminate=
-  True)`: it blocklists the task id, so the re-published copy would be dropped.
-* Either way the main process re-publishes the same task id with `retries`
-  unchanged, `ojs_preemptions` + 1 and the last committed checkpoint, after the
-  child has finished (so the two runs never overlap), then releases the lease.
-  Flower sees a `task-retried` event (RETRY, not a sticky custom state); the
-  detail goes out as an `ojs-preempted` event.
-* The victim policy lives in `allocator.policy` (lowest band first, newest
-  first, then pruned to a minimal set); spot is always preemptible, on-demand
-  only by reserved and only with `ojs_ml_allow_on_demand_preemption`.
-* `ext_mlx_scheduling_preemption_policy` (OJS ML Extensions §7) picks the path:
-  `never` makes the job no victim at all (like `ojs_ml_max_preemptions`, folded
-  into its requirements by `cap`), `immediate` skips the flag and the grace
-  period and kills the child at once, and `save_and_retry` (the default) is the
-  cooperative path above. Either way the job is re-published as a preemption.
+Key decision: cooperative first, then forced. The gate sets the victim's preemption
+flag and arms a timer for its grace period; a task that checkpoints and raises
+`Preempted` in time yields cleanly, one that does not is killed through the pool
+(`Preemptions.hard_kill`), never by `revoke(terminate=True)`, which would blocklist
+the task id and drop the re-published copy. Either way the same task id is
+re-published once the child has finished (`Preemptions.requeue`). Victims are chosen
+by `allocator.policy`; `ext_mlx_scheduling_preemption_policy` picks the path.
 """
 
 from __future__ import annotations
@@ -69,7 +55,16 @@ def preemptions_of(headers: dict[str, Any]) -> int:
 
 
 class Preemptions:
-    """The preemptions one worker has in flight, keyed by the victim's Request."""
+    """The preemptions one worker has in flight, keyed by the victim's Request.
+
+    Victims: lowest band first, newest first, then pruned to a minimal set
+    (`allocator.policy`); spot is always preemptible, on-demand only by reserved and
+    only with `ojs_ml_allow_on_demand_preemption`. `ext_mlx_scheduling_preemption_policy`
+    (OJS ML Extensions §7): `never` makes the job no victim at all (`cap`), `immediate`
+    skips the flag and the grace period and kills the child at once, `save_and_retry`
+    (the default) is the cooperative path. Either way the job is re-published as a
+    preemption.
+    """
 
     def __init__(
         self,
@@ -112,7 +107,10 @@ class Preemptions:
     def preempt(self, req: Any, grace: float) -> None:
         """Set the flag, signal the child, and arm the hard kill for the end of the grace.
 
-        An `immediate` job gets neither flag nor signal: the kill comes at once.
+        The flag is a Redis key the checkpoint helper polls, plus SIGUSR2 to the pool
+        child, whose handler only sets a flag; the grace is
+        `ext_ml_preemption_grace_period_s` (default 30 s). An `immediate` job gets
+        neither flag nor signal: the kill comes at once.
         """
         if policy_of(req.request_dict) == IMMEDIATE:
             log.warning("ojs-ml: preempting %s[%s] at once", req.name, req.id)
@@ -159,7 +157,12 @@ class Preemptions:
         return req in self.timers and isinstance(exc, Ignore | Terminated | WorkerLostError)
 
     def requeue(self, req: Any, exc: BaseException) -> None:
-        """Re-publish the preempted job: same id, same retries, one more preemption."""
+        """Re-publish the preempted job: same id, same retries, one more preemption.
+
+        With the last committed checkpoint, once the child has finished (so the two runs
+        never overlap) and before the lease is released. Flower sees `task-retried`
+        (RETRY, not a sticky custom state); the detail goes out as `ojs-preempted`.
+        """
         from celery.worker import state as worker_state
 
         from celery_ojs_ml.checkpoint import clear_preemption

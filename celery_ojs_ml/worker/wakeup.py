@@ -8,9 +8,7 @@ whole app would make every idle worker poll Redis ten times a second. Instead,
 when the subscription grows, the worker unblocks its own in-flight BRPOP with
 `CLIENT UNBLOCK` (found by the socket's local address), so kombu immediately
 re-issues it with the new queue list. Other transports (AMQP) push messages
-and need nothing. The blocked connection's client id is looked up with
-`CLIENT LIST` once per socket and remembered, so a wake-up is then one
-`CLIENT UNBLOCK`.
+and need nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def wake_consumer(task_consumer: Any) -> bool:
-    """Unblock the consumer's in-flight Redis BRPOP; False when there is none to unblock."""
+    """Unblock the consumer's in-flight Redis BRPOP; False when there is none to unblock.
+
+    The blocked connection's client id is looked up with `CLIENT LIST` once per socket
+    and remembered, so a wake-up is then one `CLIENT UNBLOCK`."""
     found = blocked_brpop(task_consumer)
     if found is None:
         return False

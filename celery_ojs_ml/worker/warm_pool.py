@@ -1,26 +1,14 @@
 """Warm GPU children (`ojs_ml_recycle_gpu_children = "warm"`): route each job to a child
 whose CUDA is bound to exactly the job's devices, or to a fresh child.
 
-The pool's internals it relies on are read through `worker.celery_internals`; the
-shared slot table is the child's (`child.warm_slot`, format `wire.warm_slots`),
-handed to the router by the worker (`plugin.py` connects the two).
+The pool's internals are read through `worker.celery_internals`; the shared slot table
+is the child's (`child.warm_slot`, format `wire.warm_slots`).
 
-Key decisions (DESIGN decision 3):
-- **Binding.** After each task a pool child with CUDA initialised records, once,
-  the device set it was initialised with in its slot; one whose CUDA came up
-  outside a GPU task is tainted and never runs a GPU job again.
-- **Routing.** We wrap the pool's write scheduler: for each waiting job we pick
-  the idle child to write it to (bound to exactly its devices, else unbound; a
-  job without devices prefers an unbound child), move the job to the front of
-  the outbound buffer and call the original with that one pipe. A GPU job no
-  idle child is bound to is moved onto the devices of an idle child bound to as
-  many: free ones, or those of a later job no child has taken yet, which gets
-  the first job's devices in exchange.
-- **Retirement.** When a GPU job has no eligible idle child but idle children
-  bound to other devices exist, the least recently used is terminated (billiard
-  starts a fresh one); the job waits for it.
-- The invariant: the device set a process's CUDA was initialised with equals
-  the task's allocation; a bound child only ever receives jobs with its devices.
+Key decision (DESIGN decision 3): the device set a process's CUDA was initialised with
+equals the task's allocation, so a bound child only ever receives jobs with its
+devices. The `Router` wraps the pool's write scheduler to give each waiting job an idle
+child bound to its devices (else an unbound one), and retires the least recently used
+bound child when none can take it.
 """
 
 from __future__ import annotations
@@ -49,7 +37,23 @@ class SlotTable(Protocol):
 
 
 class Router:
-    """Wraps the pool's write scheduler in the worker's main process (see module doc)."""
+    """Wraps the pool's write scheduler in the worker's main process.
+
+    - **Binding.** After each task a pool child with CUDA initialised records, once,
+      the device set it was initialised with in its slot; one whose CUDA came up
+      outside a GPU task is tainted and never runs a GPU job again.
+    - **Routing.** For each waiting job the router picks the idle child to write it to
+      (bound to exactly its devices, else unbound; a job without devices prefers an
+      unbound child), moves the job to the front of the outbound buffer and calls the
+      original with that one pipe. A GPU job no idle child is bound to is moved onto
+      the devices of an idle child bound to as many: free ones, or those of a later
+      job no child has taken yet, which gets the first job's devices in exchange.
+    - **Retirement.** When a GPU job has no eligible idle child but idle children
+      bound to other devices exist, the least recently used is terminated (billiard
+      starts a fresh one); the job waits for it.
+
+    The worker hands it the slot table (`plugin.py` connects the two).
+    """
 
     def __init__(
         self,
