@@ -65,10 +65,17 @@ GATE = (DEVICES, NODE, PIN, LEASE, SHARE)
 """What the gate computes for each run; never taken from a message."""
 DELIVERY = (ASSIGN, VICTIMS, PREFETCH, RENDEZVOUS, GRANT, GRANT_AT)
 """Set for one delivery; a new publish is delivered afresh."""
-TRANSIENT = frozenset((*GATE, *DELIVERY, PENDING, CLASS, BAND))
-"""Dropped from a re-published copy: the router and the leader set them again."""
+REPUBLISH_DROPS = frozenset(
+    (DEVICES, NODE, PIN, LEASE, ASSIGN, VICTIMS, PREFETCH, PENDING, CLASS, BAND)
+)
+"""Left out of a job's record (lease, dead letter, re-publish): set again for each run. A
+lease keeps `ojs_grant` (the leader's grant wait reads it) and `ojs_rendezvous` (a gang
+rank's crash handling reads it); a new publish drops both (`DELIVERY`), and the gate
+computes the share again (`GATE`)."""
 COUNTERS = (CRASHES, PREEMPTIONS)
-PRIVATE = frozenset((*TRANSIENT, GANG, *COUNTERS, LAST_CHECKPOINT, MSG, WAKE))
+PRIVATE = frozenset(
+    (*GATE, *DELIVERY, PENDING, CLASS, BAND, GANG, *COUNTERS, LAST_CHECKPOINT, MSG, WAKE)
+)
 """Every header only the plugin may set."""
 
 _TRUSTED = threading.local()

@@ -17,10 +17,7 @@ from typing import Any
 
 from celery_ojs_ml.wire import headers as h
 
-REPUBLISH_DROPS = frozenset(
-    (h.DEVICES, h.NODE, h.PIN, h.PENDING, h.CLASS, h.BAND, h.LEASE, h.ASSIGN, h.VICTIMS, h.PREFETCH)
-)
-"""Headers a re-published copy does not carry: the gate and the router set them again."""
+REPUBLISH_DROPS = h.REPUBLISH_DROPS
 
 
 def republish_headers(
