@@ -21,6 +21,7 @@ from celery_ojs_ml.checkpoint.model import CheckpointMeta, CheckpointSettings, p
 from celery_ojs_ml.spec import uris
 from celery_ojs_ml.spec.bounds import Bounds
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 
 log = logging.getLogger(__name__)
 Found = tuple[CheckpointMeta, str]
@@ -40,7 +41,7 @@ def find(
     if committed is not None:
         return committed, "store"
     if from_header is not None:
-        return from_header, "ojs_last_checkpoint"
+        return from_header, h.LAST_CHECKPOINT
     if resume_from:
         problem = resume_from_problem(resume_from, settings.bounds)
         if problem is None:

@@ -21,11 +21,12 @@ from celery_ojs_ml.checkpoint.storage import storage_options_for
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.settings import RestoreMode
 
-HEADER_LAST = "ojs_last_checkpoint"
+HEADER_LAST = h.LAST_CHECKPOINT
 """Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""
-HEADER_LEASE = "ojs_lease"
+HEADER_LEASE = h.LEASE
 """Set by the worker's gate: the token of the lease this run holds (fences its commits)."""
 RESUME_FROM = "ext_mlx_training_resume_from"
 """OJS ML Extensions §5.1: a checkpoint URI to resume training from."""

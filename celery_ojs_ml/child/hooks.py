@@ -20,6 +20,7 @@ from celery.states import SUCCESS
 from celery_ojs_ml.checkpoint.preempt import reset_flag
 from celery_ojs_ml.child import pinning, warm_slot
 from celery_ojs_ml.child.gang_env import is_rank, store_rank_result
+from celery_ojs_ml.wire import headers as h
 
 _WATCH: dict[str, Any] = {}
 
@@ -93,5 +94,5 @@ def child_postrun(task: Any = None, retval: Any = None, state: Any = None, **_: 
     finally:
         watch = _WATCH.get("cuda")
         if watch is not None:
-            devices = getattr(request, "ojs_devices", None)
+            devices = getattr(request, h.DEVICES, None)
             warm_slot.bind_after_task(list(devices) if devices else None, watch)

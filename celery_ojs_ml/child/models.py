@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from celery_ojs_ml.wire import headers as h
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Key = tuple[str, str]
@@ -103,12 +105,12 @@ def publish(task: Any) -> None:
     prefers the devices of the idle child that holds the requested model.
     """
     request = getattr(task, "request", None)
-    worker = getattr(request, "ojs_node", None) or getattr(request, "hostname", None)
+    worker = getattr(request, h.NODE, None) or getattr(request, "hostname", None)
     plugin = getattr(getattr(task, "app", None), "ojs_ml", None)
     if not worker or plugin is None:
         return
     entry = {
-        "devices": list(getattr(request, "ojs_devices", None) or []),
+        "devices": list(getattr(request, h.DEVICES, None) or []),
         "models": [{"model_id": m, **({"model_version": v} if v else {})} for m, v in _CACHE],
     }
     try:

@@ -21,6 +21,7 @@ from typing import Any
 from celery_ojs_ml.child.gang_env import restore_env, set_env
 from celery_ojs_ml.child.sharing import restore_share_env, set_share_env
 from celery_ojs_ml.child.warm_slot import take_move
+from celery_ojs_ml.wire import headers as h
 
 log = logging.getLogger(__name__)
 CVD = "CUDA_VISIBLE_DEVICES"
@@ -195,8 +196,8 @@ def pin_request(request: Any) -> None:
     set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (child.gang_env)
     set_share_env(request)  # a GPU share's MPS memory limit (child.sharing)
     take_move(request)  # warm children: the job was moved onto this child's devices
-    devices = getattr(request, "ojs_devices", None)
-    if devices is None or not getattr(request, "ojs_pin", False):
+    devices = getattr(request, h.DEVICES, None)
+    if devices is None or not getattr(request, h.PIN, False):
         return
     environ = os.environ
     request.ojs_saved_cvd = environ.get(CVD)
@@ -236,5 +237,5 @@ def unpin_request(request: Any) -> None:
 
 def devices(task: Any) -> list[int]:
     """The GPU indices allocated to the running task (any pool); [] for none."""
-    found = getattr(getattr(task, "request", None), "ojs_devices", None)
+    found = getattr(getattr(task, "request", None), h.DEVICES, None)
     return [int(d) for d in found] if found else []

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from multiprocessing.sharedctypes import RawArray
 from typing import Any
 
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.warm_slots import SLOTS, TAINTED, devices_of_mask, mask_of
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def take_move(request: Any) -> None:
         return
     moved = int(_TABLE["next"][index])
     _TABLE["next"][index] = 0
-    if moved and getattr(request, "ojs_devices", None) is not None:
+    if moved and getattr(request, h.DEVICES, None) is not None:
         request.ojs_devices = devices_of_mask(moved)
 
 

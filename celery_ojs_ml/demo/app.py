@@ -23,6 +23,7 @@ from kombu.entity import Queue
 
 from celery_ojs_ml import OJSML
 from celery_ojs_ml.demo.jobs import REGISTRY_ACCESS
+from celery_ojs_ml.wire import headers as h
 
 BROKER_ENV = "OJS_DEMO_BROKER"
 TASK_TYPES = ("ml.data_prep", "ml.train", "ml.evaluate", "ml.deploy", "ml.inference")
@@ -87,7 +88,7 @@ def _define(app: Celery, name: str) -> None:
         started = time.time()
         where = {
             "node": node_of(self),
-            "devices": [int(d) for d in getattr(self.request, "ojs_devices", None) or []],
+            "devices": [int(d) for d in getattr(self.request, h.DEVICES, None) or []],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(),
             "started": started,
@@ -105,7 +106,7 @@ def node_of(task: Any) -> str:
     worker is found among `celery.worker.state.active_requests`, which holds the
     worker's own Request objects (process-global, hence the match by id).
     """
-    node = getattr(task.request, "ojs_node", None)
+    node = getattr(task.request, h.NODE, None)
     if node:
         return str(node)
     from celery.worker import state

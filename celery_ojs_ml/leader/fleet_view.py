@@ -308,7 +308,7 @@ def _running(
         "gpu_milli": milli if share else 0,
         "labels": job_labels(lease.get("name"), headers),
     }
-    queue = headers.get("ojs_logical_queue")
+    queue = headers.get(h.LOGICAL)
     if isinstance(queue, str) and queue:
         extra["queue"] = queue
     if checkpoint_at is not None:

@@ -200,7 +200,7 @@ class MLRouter:
         if labels:
             headers[HEADER_LABELS] = labels
         options["headers"] = headers
-        if not found.hard and "ojs_gang" not in headers:  # a gang rank is always scheduled
+        if not found.hard and h.GANG not in headers:  # a gang rank is always scheduled
             return None
         return self._route(found, logical, options, headers)
 
@@ -244,7 +244,7 @@ class MLRouter:
             return None
         if not grantable(
             found.req,
-            gang="ojs_gang" in headers,
+            gang=h.GANG in headers,
             labels=HEADER_LABELS in headers,
             gpu_affinity=str(headers.get("ext_mlx_scheduling_gpu_affinity") or "pack"),
         ):

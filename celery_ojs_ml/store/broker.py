@@ -21,9 +21,11 @@ from typing import Any
 
 import redis
 
+from celery_ojs_ml.wire import headers as h
+
 log = logging.getLogger(__name__)
 
-WAKE_HEADER = "ojs_wake"
+WAKE_HEADER = h.WAKE
 """The header of a worker's wake-up message on the intake (`intake.HEADER_WAKE`)."""
 POLL_S = 0.2
 """Longest slice the leader blocks for on the priority-0 list."""

@@ -16,6 +16,7 @@ from celery import Celery
 
 from celery_ojs_ml.store.checkpoints import last_checkpoint_of
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.headers import plugin_publish
 from celery_ojs_ml.wire.records import republish_headers
 
@@ -79,9 +80,9 @@ def retry_dead(app: Celery, store: OJSStore, task_id: str) -> bool:
     if not raw:
         return False
     record = json.loads(raw)
-    headers = {k: v for k, v in record["headers"].items() if k != "ojs_crashes"}
+    headers = {k: v for k, v in record["headers"].items() if k != h.CRASHES}
     if record.get("last_checkpoint"):
-        headers["ojs_last_checkpoint"] = record["last_checkpoint"]
+        headers[h.LAST_CHECKPOINT] = record["last_checkpoint"]
     with plugin_publish():  # the plugin's own headers are kept
         app.send_task(
             record["name"],

@@ -18,8 +18,9 @@ from contextlib import suppress
 from typing import Any
 
 from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.wire import headers as h
 
-HEADER_LABELS = "ojs_labels"
+HEADER_LABELS = h.LABELS
 MAX_LABELS = 32
 MAX_LABEL_LEN = 253
 _FIX = 'ml_labels={"app": "llm-serve"}: at most 32 labels, string keys and values of 1-253 chars'
@@ -46,7 +47,7 @@ def job_labels(task: Any, headers: Mapping[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     if isinstance(task, str) and task:
         out["job_type"] = task
-    queue = headers.get("ojs_logical_queue")
+    queue = headers.get(h.LOGICAL)
     if isinstance(queue, str) and queue:
         out["queue"] = queue
     with suppress(SpecError):  # the router refuses such labels; a forged header is ignored

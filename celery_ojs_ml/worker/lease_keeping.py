@@ -24,6 +24,7 @@ from celery_ojs_ml.store import granted_jobs
 from celery_ojs_ml.store.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.headers import RENDEZVOUS, plugin_publish
 from celery_ojs_ml.wire.records import republish_headers, request_record
 from celery_ojs_ml.wire.settings import OJSMLSettings
@@ -113,7 +114,7 @@ class LeaseKeeper:
             lambda: self._job_record(req, alloc, started_at),
             lambda ok: self._lease_written(req, ok),
         )
-        req.request_dict["ojs_lease"] = token  # the child's checkpoint commits check it
+        req.request_dict[h.LEASE] = token  # the child's checkpoint commits check it
 
     def forget_granted(self, task_id: str) -> None:
         """A job sent under a grant is in this worker's hands (kombu holds it unacked):
@@ -247,7 +248,7 @@ class LeaseKeeper:
             return
         counted = gang_crash(self.store, lease["headers"])  # a gang's crash counts once
         if counted is None:
-            crashes = int(lease["headers"].get("ojs_crashes") or 0) + 1
+            crashes = int(lease["headers"].get(h.CRASHES) or 0) + 1
         else:
             crashes, first = counted
             if first:  # its peers may be blocked in the rendezvous or a collective
