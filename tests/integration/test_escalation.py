@@ -3,7 +3,11 @@
 One 1-GPU worker; on-demand jobs of 0.5 s keep arriving, three always waiting.
 A spot job alone would never start (every on-demand job goes first). With
 `ext_ml_priority_escalation` after 2 s to `reserved`, it starts within 2 s plus
-one on-demand job's run time (0.5 s), plus the scheduler pass and hand-off slack.
+two on-demand jobs' run time: the one running, and at most one held ahead at the
+gate that starts before the pass that escalates takes it back (`leader.prefetch`
+`unhold`). The slack covers the scheduler interval (0.5 s) twice and the hand-off,
+on a loaded 2-core machine. Without escalation it would not start within the 12 s
+the stream runs.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from tests.integration.workers import WorkerProcess, running
 
 pytestmark = pytest.mark.integration
 
-AFTER_S, RUN_S, SLACK_S = 2, 0.5, 1.5
+AFTER_S, RUN_S, SLACK_S = 2, 0.5, 2.0
 ESCALATING = {
     "ext_ml_priority_class": "spot",
     "ext_ml_priority_escalation": True,
@@ -64,7 +68,7 @@ def test_an_escalating_spot_job_starts_within_its_escalation_time_plus_one_job_u
     runs = {r["task_id"]: r for r in _results(redis_client)}
     assert spot in runs, "the escalating job never started under the stream"
     took = runs[spot]["start"] - sent
-    assert took <= AFTER_S + RUN_S + SLACK_S, took
+    assert took <= AFTER_S + 2 * RUN_S + SLACK_S, took
     assert took >= AFTER_S - 0.1, "it started before it escalated: the stream did not block it"
     assert f"{spot} escalated from spot to reserved (OJS ML §8.4)" in worker.output()
     app.close()
