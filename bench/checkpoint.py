@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from celery_ojs_ml.checkpoint import Checkpointer, CheckpointSettings  # noqa: E402
+from celery_ojs_ml.spec.bounds import Bounds  # noqa: E402
 from celery_ojs_ml.store.registry import OJSStore  # noqa: E402
 
 TARGET_RATIO = 1.05
@@ -101,7 +102,9 @@ def raw_write(base: Path, payload: bytes, *, fsync: bool) -> Op:
 
 def checkpoint_save(base: Path, payload: bytes, store: OJSStore, *, fsync: bool) -> Op:
     """A full `Checkpointer.save()` of the payload; retention never evicts during the run."""
-    settings = CheckpointSettings(storage_uri=f"file://{base}/", max_count=1000, fsync=fsync)
+    uri = f"file://{base}/"
+    granted = Bounds(checkpoint_prefixes=(uri,))  # a file:// prefix must be granted
+    settings = CheckpointSettings(storage_uri=uri, max_count=1000, fsync=fsync, bounds=granted)
     ckpt = Checkpointer(f"bench-{base.name}", settings, store)
 
     def op(i: int) -> None:

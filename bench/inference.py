@@ -37,6 +37,7 @@ whose torch device UUID is not the pinned device's NVML UUID (must be 0).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from bench.dispatch import private_redis  # noqa: E402
 
 RESULTS_KEY = "ojs-bench:inference"
+TRACE_KEY = "ojs-bench:received"
 VARIANTS = (
     "plugin-warm",
     "plugin-prefetch",
@@ -72,12 +74,18 @@ _PREFETCH = {"plugin-prefetch": "4", "plugin-noprefetch": "0"}
 
 
 def workers_for(
-    variant: str, broker: str, logdir: Path, gpus: int = 4, real: bool = False
+    variant: str,
+    broker: str,
+    logdir: Path,
+    gpus: int = 4,
+    real: bool = False,
+    body: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    """Start the variant's workers (they log to `logdir`)."""
+    """Start the variant's workers (they log to `logdir`); `body`: the request body's
+    environment (`calibrated`)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     base = {**os.environ, "OJS_BENCH_BROKER": broker, "PYTHONPATH": path,
-            "OJS_BENCH_REAL": "1" if real else "0"}  # fmt: skip
+            "OJS_BENCH_REAL": "1" if real else "0", **(body or {})}  # fmt: skip
     cmd = [sys.executable, "-m", "celery", "-A", "bench.inference_app", "worker", "-P",
            "prefork", "-l", "WARNING", "--without-gossip", "--without-mingle"]  # fmt: skip
     procs = []
@@ -118,15 +126,16 @@ def run_variant(
     mod = importlib.reload(mod)
     client = redis.Redis.from_url(broker)
     client.flushdb()
-    procs = workers_for(variant, broker, logdir, args.gpus, args.real)
+    procs = workers_for(variant, broker, logdir, args.gpus, args.real, calibrated(args))
     try:
         time.sleep(3.0)  # workers up (the plugin's also elect a scheduler)
         seq = _phase(mod, client, 0, 8, gap_s=None)  # warm-up: every process pays its cold start
         _wait(client, seq, 120)
-        client.delete(RESULTS_KEY)
+        client.delete(RESULTS_KEY, TRACE_KEY)
         burst_start = time.time()
         seq2 = _phase(mod, client, seq, args.burst, gap_s=None)
         burst = _wait(client, seq2 - seq, 300)
+        trace = received(client, burst) if args.trace else {}
         client.delete(RESULTS_KEY)
         lat = []
         for i in range(args.sequential):
@@ -151,8 +160,51 @@ def run_variant(
         "p50_ms": statistics.median(latencies),
         "p90_ms": latencies[int(0.9 * (len(latencies) - 1))],
         "processes": len({r["pid"] for r in burst + lat}),
+        "body_p50_ms": statistics.median(1000 * (r["end"] - r["start"]) for r in burst),
+        "gap_p50_ms": statistics.median(gaps(burst)),
+        **trace,
         **({"mismatches": mismatches(burst + lat)} if args.real else {}),
     }
+
+
+def gaps(burst: list[dict[str, Any]]) -> list[float]:
+    """Per process of the burst: the next request's start - the previous one's end, ms
+    (the hand-off between two requests; with one process per GPU, the GPU's idle time)."""
+    out: list[float] = []
+    for pid in {r["pid"] for r in burst}:
+        mine = sorted((r for r in burst if r["pid"] == pid), key=lambda r: r["start"])
+        out += [1000 * (b["start"] - a["end"]) for a, b in itertools.pairwise(mine)]
+    return out or [0.0]
+
+
+def received(client: redis.Redis, burst: list[dict[str, Any]]) -> dict[str, Any]:
+    """`--trace`: how the burst's requests reached the worker (`kind`: see
+    `inference_app._trace_received`) and, p50, when the worker's main process received
+    each one after the previous request on its process ended (negative: in hand before)."""
+    got: dict[int, tuple[float, str]] = {}
+    for raw in client.lrange(TRACE_KEY, 0, -1):
+        seq, when, how = (raw.decode() if isinstance(raw, bytes) else raw).split()
+        got[int(seq)] = (float(when), how)
+    kinds: dict[str, int] = {}
+    late: list[float] = []
+    for pid in {r["pid"] for r in burst}:
+        mine = sorted((r for r in burst if r["pid"] == pid), key=lambda r: r["start"])
+        for a, b in itertools.pairwise(mine):
+            found = got.get(b["seq"])
+            kind = "?" if found is None else found[1]
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if found is not None:
+                late.append(1000 * (found[0] - a["end"]))
+    return {"received_after_end_p50_ms": statistics.median(late or [0.0]), "kinds": kinds}
+
+
+def calibrated(args: argparse.Namespace) -> dict[str, str]:
+    """The environment of the request body: the H200 calibration (`--calibrated`), or the
+    default (20 ms of sleep, no result)."""
+    trace = {"OJS_BENCH_TRACE": "1" if args.trace else "0"}
+    if not args.calibrated:
+        return {"OJS_BENCH_BODY": "", "OJS_BENCH_RESULT_BYTES": "0", **trace}
+    return {"OJS_BENCH_BODY": "h200", "OJS_BENCH_RESULT_BYTES": str(args.result_bytes), **trace}
 
 
 def mismatches(records: list[dict[str, Any]]) -> int:
@@ -210,7 +262,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--real", action="store_true", help="real GPUs through PyTorch")
     parser.add_argument("--gpus", type=int, default=4, help="GPUs (simulated: 1, 2, 4 or 8)")
+    parser.add_argument("--calibrated", action="store_true",
+                        help="the H200 request body, 1 GPU (docs/performance.md)")  # fmt: skip
+    parser.add_argument("--result-bytes", type=int, default=4096,
+                        help="--calibrated: the size of each request's result")  # fmt: skip
+    parser.add_argument("--trace", action="store_true",
+                        help="when and how each request reached the worker (slower)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.calibrated:
+        if args.real:
+            parser.error("--calibrated simulates the H200 runs: drop --real")
+        args.gpus = 1
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ojs-bench-infer-") as tmp:
         logdir = Path(tmp)
@@ -227,11 +289,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(results, indent=2))
         return 0
     print(f"{'variant':17} {'req/s':>8} {'ratio':>6} {'p50 ms':>8} {'+p50':>7} {'p90 ms':>8} "
-          f"{'cold':>5} {'procs':>5}")  # fmt: skip
+          f"{'cold':>5} {'procs':>5} {'body ms':>8} {'gap ms':>7}")  # fmt: skip
     for name, r in results.items():
         print(f"{name:17} {r['throughput']:8.1f} {r.get('throughput_ratio', 0):6.2f} "
               f"{r['p50_ms']:8.1f} {r.get('p50_added_ms', 0):7.1f} {r['p90_ms']:8.1f} "
-              f"{r['cold_in_burst']:5d} {r['processes']:5d}")  # fmt: skip
+              f"{r['cold_in_burst']:5d} {r['processes']:5d} {r['body_p50_ms']:8.2f} "
+              f"{r['gap_p50_ms']:7.2f}")  # fmt: skip
+        if "kinds" in r:
+            print(f"  received after the previous end, p50 {r['received_after_end_p50_ms']:.2f} ms;"
+                  f" delivered as {r['kinds']}")  # fmt: skip
     if base and "plugin-warm" in results:
         w = results["plugin-warm"]
         ok_t, ok_l = w["throughput_ratio"] >= 0.9, w["p50_added_ms"] <= 2.0

@@ -9,12 +9,22 @@ Environment:
     OJS_BENCH_PREFETCH  `ojs_ml_prefetch` for the plugin (default: the plugin's, 2)
     OJS_BENCH_FAIR_SHARE `ojs_ml_fair_share` for the plugin, as JSON (default: none)
     OJS_BENCH_REAL      "1": real CUDA through PyTorch on real GPUs (`--real`)
+    OJS_BENCH_BODY      "h200": the calibrated request body (`--calibrated`, below)
+    OJS_BENCH_RESULT_BYTES  the size of the request's result, in bytes of floats (0: None)
+    OJS_BENCH_TRACE     "1": record when the worker received each request (`--trace`)
 
 Simulated (the default, for machines without a GPU): per process, the first
 GPU use costs a simulated CUDA init (`CUDA_INIT_S`, and a library named
 `libcuda.so.1` is mapped so the plugin sees CUDA as it would for real), and the
 first use of the model costs a load (`MODEL_LOAD_S`); a request computes for
 `COMPUTE_S`.
+
+Calibrated (`OJS_BENCH_BODY=h200`, `bench/inference.py --calibrated`): the request
+body of the H200 runs (`bench/results/h200-*`), each request `H200_CPU_S` of CPU (the
+kernel launches) then a blocking sleep (the CUDA synchronisation: the child waits, the
+main process cannot use that time for the child) drawn from a gamma distribution of
+mean `H200_SYNC_S` and shape `H200_SHAPE`, seeded by the request's number so every
+variant gets the same times. It returns `OJS_BENCH_RESULT_BYTES` of floats.
 
 Real (`OJS_BENCH_REAL=1`): the first GPU use creates the CUDA context, the model
 is an 8-layer 4096-wide fp16 MLP (268 MB) built and moved to the GPU, and a
@@ -32,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -46,6 +57,13 @@ MODEL_LOAD_S = 1.0
 COMPUTE_S = float(os.environ.get("OJS_BENCH_COMPUTE_S", "0.02"))
 REAL_ITERS = int(os.environ.get("OJS_BENCH_REAL_ITERS", "20"))
 REAL = os.environ.get("OJS_BENCH_REAL") == "1"
+BODY = os.environ.get("OJS_BENCH_BODY", "")
+RESULT_BYTES = int(os.environ.get("OJS_BENCH_RESULT_BYTES", "0"))
+H200_CPU_S = 0.0003
+H200_SYNC_S = 0.0036
+H200_SHAPE = 16.0
+"""The H200 request body: 3.9 ms mean, p90 about +1.2 ms (docs/performance.md,
+"`bench/inference.py --calibrated`")."""
 _STATE: dict[str, Any] = {}
 
 BROKER = os.environ.get("OJS_BENCH_BROKER", "redis://127.0.0.1:6399/0")
@@ -110,7 +128,10 @@ def load_model() -> dict[str, Any]:
     return {"weights": os.getpid()}
 
 
-def compute(net: dict[str, Any]) -> None:
+def compute(net: dict[str, Any], seq: int = 0) -> None:
+    if BODY == "h200":
+        h200_body(seq)
+        return
     if not REAL:
         time.sleep(COMPUTE_S)
         return
@@ -121,6 +142,21 @@ def compute(net: dict[str, Any]) -> None:
         for _ in range(REAL_ITERS):
             x = net["net"](x)
         torch.cuda.synchronize()
+
+
+def h200_body(seq: int) -> None:
+    """The calibrated body: CPU for the launches, then a synchronisation drawn per request."""
+    spin_until = time.perf_counter() + H200_CPU_S
+    while time.perf_counter() < spin_until:
+        pass
+    time.sleep(random.Random(seq).gammavariate(H200_SHAPE, H200_SYNC_S / H200_SHAPE))
+
+
+def result_of(seq: int) -> list[float] | None:
+    """The request's output: `RESULT_BYTES` of floats (8 bytes each), or None."""
+    if not RESULT_BYTES:
+        return None
+    return [seq + i / 7 for i in range(RESULT_BYTES // 8)]
 
 
 def real_facts() -> str:
@@ -140,7 +176,7 @@ def _preload(**_: Any) -> None:
 
 
 @app.task(bind=True, name="bench.infer", shared=False, ml={"ext_ml_gpu_count": 1})  # type: ignore[untyped-decorator]
-def infer(self: Any, seq: int, published: float) -> None:
+def infer(self: Any, seq: int, published: float) -> list[float] | None:
     start = time.time()
     cold = "cuda" not in _STATE
     cuda_init()
@@ -150,9 +186,29 @@ def infer(self: Any, seq: int, published: float) -> None:
         net = model(self, ("bench-model", "1"), load_model)
     else:
         net = _STATE.get("model") or _STATE.setdefault("model", load_model())
-    compute(net)
+    compute(net, seq)
     assert net["weights"] == os.getpid()
     end = time.time()
     client = _STATE.get("client") or _STATE.setdefault("client", redis.Redis.from_url(BROKER))
     line = f"{seq} {published!r} {start!r} {end!r} {os.getpid()} {int(cold)}{real_facts()}"
     client.rpush(RESULTS_KEY, line)
+    return result_of(seq)
+
+
+TRACE_KEY = "ojs-bench:received"
+
+
+@signals.task_received.connect  # type: ignore[untyped-decorator]
+def _trace_received(request: Any = None, **_: Any) -> None:
+    """`OJS_BENCH_TRACE=1`: record when the worker's main process received each request
+    and how it came (`seq time kind` in `TRACE_KEY`; kind: `g` under a grant, `a` assigned
+    by the scheduler, `ap` assigned ahead of capacity, `-` plain), to split the gap
+    between two requests."""
+    if os.environ.get("OJS_BENCH_TRACE") != "1" or request is None:
+        return
+    client = _STATE.get("client") or _STATE.setdefault("client", redis.Redis.from_url(BROKER))
+    from celery_ojs_ml.wire import headers as h
+
+    found = request.request_dict
+    kind = "".join(k[4] for k in (h.GRANT, h.ASSIGN, h.PREFETCH) if found.get(k))
+    client.rpush(TRACE_KEY, f"{request.args[0]} {time.time()!r} {kind or '-'}")

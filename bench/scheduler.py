@@ -1,4 +1,4 @@
-"""Fleet policy core benchmark: decision time per job, 10,000 pending, 100 and 1,000 workers.
+"""Fleet policy core benchmark: decision time per job, 10,000 pending, 100 to 10,000 workers.
 
 One pass of `celery_ojs_ml.scheduler` over a simulated fleet built from the
 capability profiles (A100x8, H100x8, A100x2, L40Sx4, L4x1, T4x1, CPU), each
@@ -11,23 +11,34 @@ hold them. Two fleets per size:
 
 Each `Planner.decide` is timed on its own (median, p99 per decision); the
 pass total adds setting up the fleet view and annotating every waiting job.
-Target: median <= 1 ms per decision at 1,000 workers.
+Target: median <= 1 ms per decision at 1,000 workers. `--memory` runs one more
+pass under tracemalloc and reports its peak (the pass's own allocations, on
+top of the inputs); `digest` is a hash of the pass's decision (assignments,
+reservations, preemptions, start estimates, annotations), equal before and after
+a change that must not change decisions. `--profile N` prints cProfile's top N
+functions of one pass.
 
-    .venv/bin/python bench/scheduler.py [--jobs 10000] [--workers 100 1000] [--json]
+    .venv/bin/python bench/scheduler.py [--jobs 10000] [--workers 100 1000]
+        [--fleets busy idle] [--memory] [--profile 25] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import hashlib
 import json
+import pstats
 import random
+import resource
 import statistics
 import time
+import tracemalloc
 from collections.abc import Sequence
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
-from celery_ojs_ml.scheduler import Memo, PendingJob, Planner, RunningJob, WorkerState
+from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Planner, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.order import in_order
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -119,9 +130,21 @@ def pending(n: int, rng: random.Random) -> list[PendingJob]:
     return out
 
 
+def digest(decision: Decision) -> str:
+    """A short hash of what a pass decided (identical decisions, identical digest)."""
+    parts = [
+        sorted((a.task_id, a.worker) for a in decision.assignments),
+        sorted((r.task_id, r.worker, r.start) for r in decision.reservations),
+        sorted((t, a.reason_pending, a.t_estimate) for t, a in decision.annotations.items()),
+        sorted((p.task_id, p.worker, p.victims) for p in decision.preemptions),
+        sorted((r.task_id, r.worker, r.start) for r in decision.planned),
+    ]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+
+
 def one_pass(
     workers: list[WorkerState], jobs: list[PendingJob], memo: Memo
-) -> tuple[list[int], float, dict[str, int]]:
+) -> tuple[list[int], float, dict[str, Any]]:
     """Per-decision times (ns), the pass total (s), and the outcome counts."""
     start = time.perf_counter()
     ordered = in_order(jobs)
@@ -139,17 +162,33 @@ def one_pass(
         "preempting": len(decision.preemptions),
         "estimated": sum(1 for a in decision.annotations.values() if a.t_estimate is not None),
         "waiting": len(decision.annotations),
+        "digest": digest(decision),
     }
     return samples, total, counts
 
 
-def run(n_workers: int, n_jobs: int, *, busy: bool, seed: int = 7) -> dict[str, Any]:
+def run(
+    n_workers: int, n_jobs: int, *, busy: bool, seed: int = 7, memory: bool = False,
+    profile: int = 0,
+) -> dict[str, Any]:  # fmt: skip
     rng = random.Random(seed)
     workers, jobs = fleet(n_workers, rng, busy=busy), pending(n_jobs, rng)
     memo = Memo()
     one_pass(workers, jobs, memo)  # warm: capability keys and "ever" answers
     samples, total, counts = one_pass(workers, jobs, memo)
     samples.sort()
+    extra: dict[str, Any] = {
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    }
+    if memory:
+        tracemalloc.start()
+        one_pass(workers, jobs, memo)
+        extra["pass_peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+    if profile:
+        prof = cProfile.Profile()
+        prof.runcall(one_pass, workers, jobs, memo)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(profile)
     return {
         "workers": n_workers,
         "fleet": "busy" if busy else "idle",
@@ -160,6 +199,7 @@ def run(n_workers: int, n_jobs: int, *, busy: bool, seed: int = 7) -> dict[str, 
         "pass_s": total,
         "per_job_us": total / n_jobs * 1e6,
         **counts,
+        **extra,
     }
 
 
@@ -167,9 +207,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=10_000)
     parser.add_argument("--workers", type=int, nargs="+", default=[100, 1000])
+    parser.add_argument("--fleets", nargs="+", choices=("busy", "idle"), default=["busy", "idle"])
+    parser.add_argument("--memory", action="store_true", help="tracemalloc peak of one pass")
+    parser.add_argument("--profile", type=int, default=0, help="cProfile: top N functions")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    rows = [run(n, args.jobs, busy=busy) for n in args.workers for busy in (True, False)]
+    rows = []
+    for n in args.workers:
+        for kind in args.fleets:
+            row = run(n, args.jobs, busy=kind == "busy", memory=args.memory, profile=args.profile)
+            rows.append(row)
+            if not args.json:
+                print(json.dumps(row), flush=True)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -180,6 +229,7 @@ def main() -> None:
             f"{r['workers']:>7} {r['fleet']:>5} {r['median_us']:>7.1f}us {r['p99_us']:>7.1f}us"
             f" {r['max_us']:>7.0f}us {r['pass_s']:>7.2f}s   {r['assigned']:>8} {r['reserved']:>8}"
             f" {r['preempting']:>10} {r['estimated']:>9} {r['waiting']:>7}"
+            f"  rss {r['max_rss_mb']:.0f} MB peak {r.get('pass_peak_mb', 0):.0f} MB {r['digest']}"
         )
     print("target: median <= 1000 us per decision at 1,000 workers")
 

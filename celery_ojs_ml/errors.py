@@ -30,10 +30,14 @@ class OJSMLError(Exception):
 class SpecError(OJSMLError, ValueError):
     """A job, workflow, jobspec or capability document breaks the spec."""
 
-    def __init__(self, violations: list[Violation] | Violation) -> None:
+    def __init__(self, violations: list[Violation] | Violation | str) -> None:
+        if isinstance(violations, str):  # rebuilt from its message (a result backend)
+            self.violations: list[Violation] = []
+            super().__init__(violations)
+            return
         if isinstance(violations, Violation):
             violations = [violations]
-        self.violations: list[Violation] = list(violations)
+        self.violations = list(violations)
         super().__init__("; ".join(str(v) for v in self.violations) or "invalid document")
 
     @property
@@ -62,3 +66,60 @@ class UnsatisfiableError(OJSMLError):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdMiss:
+    """A metric that missed its evaluation threshold (OJS ML Extensions §5.4); None: unreported."""
+
+    metric: str
+    threshold: dict[str, float]
+    value: float | None
+
+    def __str__(self) -> str:
+        bounds = " and ".join(f"{k} {v:g}" for k, v in self.threshold.items())
+        value, low, high = self.value, self.threshold.get("min"), self.threshold.get("max")
+        if value is None:
+            return f"{self.metric} not reported (threshold {bounds})"
+        if value != value:  # NaN meets no threshold
+            return f"{self.metric} is NaN (threshold {bounds})"
+        if low is not None and value < low:
+            return f"{self.metric} {value:g} < min {low:g}"
+        if high is not None and value > high:
+            return f"{self.metric} {value:g} > max {high:g}"
+        return f"{self.metric} {value:g} (threshold {bounds})"
+
+    def as_dict(self) -> dict[str, object]:
+        return {"metric": self.metric, "threshold": dict(self.threshold), "value": self.value}
+
+
+class ThresholdsNotMet(OJSMLError):
+    """An evaluation missed its job's `ext_mlx_eval_thresholds` (OJS ML Extensions §5.4)."""
+
+    def __init__(
+        self,
+        misses: list[ThresholdMiss] | list[dict[str, object]],
+        results: dict[str, bool] | None = None,
+    ) -> None:
+        # The arguments are JSON, so a client's AsyncResult rebuilds the exception
+        # from the result backend as ThresholdsNotMet(*args), attributes and all.
+        self.misses: list[ThresholdMiss] = [_miss(m) for m in misses]
+        self.results: dict[str, bool] = dict(results or {})
+        super().__init__([m.as_dict() for m in self.misses], self.results)
+
+    def __str__(self) -> str:
+        listed = "; ".join(str(m) for m in self.misses)
+        return f"evaluation thresholds not met (OJS ML Extensions §5.4): {listed}"
+
+    def __repr__(self) -> str:  # what Celery's log and Flower show
+        return f"ThresholdsNotMet({'; '.join(str(m) for m in self.misses)})"
+
+
+def _miss(found: ThresholdMiss | dict[str, object]) -> ThresholdMiss:
+    if isinstance(found, ThresholdMiss):
+        return found
+    threshold = found.get("threshold")
+    value = found.get("value")
+    if not isinstance(threshold, dict) or not (value is None or isinstance(value, int | float)):
+        raise TypeError(f"not a threshold miss: {found!r}")
+    return ThresholdMiss(str(found.get("metric")), dict(threshold), value)

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from celery import Celery, signals
@@ -27,6 +26,7 @@ from celery_ojs_ml.producer.routing import MLRouter, record_granted
 from celery_ojs_ml.producer.submission import Submission
 from celery_ojs_ml.spec.envelope import ParseOptions
 from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.store import connect
 from celery_ojs_ml.store.grants import (
     GrantBook,
     end_grants_of,
@@ -67,6 +67,7 @@ class OJSML:
         signals.before_task_publish.connect(_apply_time_limit, weak=False)
         signals.before_task_publish.connect(_record_pending, weak=False)
         signals.before_task_publish.connect(record_granted, weak=False)
+        from celery_ojs_ml.child import batch as child_batch
         from celery_ojs_ml.child import hooks as child_hooks
         from celery_ojs_ml.leader.process import start_candidate
         from celery_ojs_ml.producer import dedup
@@ -75,6 +76,7 @@ class OJSML:
         child_hooks.install()
         install(app, children=child_hooks.POOL_CHILDREN, start_candidate=start_candidate)
         dedup.install(app)
+        child_batch.install(app)  # `ml_batch` tasks take their batch (docs/serving.md)
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -92,16 +94,35 @@ class OJSML:
 
     @property
     def store(self) -> OJSStore:
-        """The Redis store; `ojs_ml_store_url`, else the broker URL when that is Redis."""
+        """The Redis store; `ojs_ml_store_url`, else the broker URL when that is Redis
+        or Redis Sentinel (`store.connect`)."""
         if self._store is None:
-            url = self.settings.store_url or _redis_broker(self.app)
-            if url is None:
+            source = self._store_source()
+            if source is None:
                 raise ConfigError(
                     "ojs_ml_store_url is not set and the broker is not Redis; set it, e.g. "
                     'app.conf.ojs_ml_store_url = "redis://127.0.0.1:6379/2"'
                 )
-            self._store = OJSStore.from_url(url, prefix=self.settings.store_prefix)
+            s = self.settings
+            self._store = OJSStore.from_url(
+                source.url,
+                prefix=s.store_prefix,
+                options=source.options,
+                origin=source.origin,
+                replicas=s.store_wait_replicas,
+                replica_wait_ms=s.store_wait_timeout_ms,
+            )
         return self._store
+
+    def _store_source(self) -> connect.Source | None:
+        conf = self.app.conf
+        return connect.source_of(
+            self.settings.store_url,
+            self.settings.store_transport_options,
+            conf.broker_url,
+            conf.broker_transport_options,
+            conf.broker_use_ssl,
+        )
 
     @property
     def defaulted_queues(self) -> frozenset[str]:
@@ -110,13 +131,8 @@ class OJSML:
 
     def store_url(self) -> str:
         """The store's URL as configured, with any password masked (for messages)."""
-        url = self.settings.store_url or _redis_broker(self.app) or "(no store URL)"
-        parts = urlsplit(url)
-        if parts.password:
-            host = parts.netloc.rsplit("@", 1)[-1]
-            user = f"{parts.username}:***@" if parts.username else ":***@"
-            parts = parts._replace(netloc=user + host)
-        return urlunsplit(parts)
+        source = self._store_source()
+        return "(no store URL)" if source is None else connect.masked(source.url)
 
     @contextmanager
     def store_errors(self) -> Iterator[None]:
@@ -168,7 +184,9 @@ class OJSML:
         reason = self.eligibility.reason(req, cid, logical)
         if reason is None:
             return None
-        if self.settings.deny_unsatisfiable:
+        if self.settings.deny_unsatisfiable and not h.trusted():  # a re-publish (crash
+            # recovery, preemption) goes to the intake: the leader denies it after
+            # `ojs_ml_deny_after_s` if no capable worker comes back, it is never dropped
             raise UnsatisfiableError(
                 f"no live worker can ever run this job: {reason}; start a worker that can, "
                 "or set ojs_ml_deny_unsatisfiable=False to let the job wait"
@@ -331,11 +349,6 @@ class OJSML:
             send_wake(self.app, "api")
         except Exception as exc:  # the scheduler passes on its own interval too
             log.debug("ojs-ml: could not wake the scheduler: %s", exc)
-
-
-def _redis_broker(app: Celery) -> str | None:
-    url = app.conf.broker_url or ""
-    return str(url) if str(url).startswith(("redis://", "rediss://", "unix://")) else None
 
 
 def _apply_time_limit(headers: dict[str, Any] | None = None, **_: Any) -> None:

@@ -5,6 +5,8 @@ statically: the services are there, the workers are the demo's fleet (the
 producer waits for exactly those node names), the image copies paths that
 exist, and each command line is run here with `--help` through the installed
 console scripts, with every long and short option it uses found in that help.
+The `monitoring` profile adds the exporter, Prometheus and Grafana, which start
+only under that profile; every host path they mount exists.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tests.helpers import ROOT
 COMPOSE = ROOT / "docker-compose.yml"
 BIN = Path(sys.executable).parent
 WORKERS = ("worker-a100", "worker-l4", "worker-cpu")
+MONITORING = ("exporter", "prometheus", "grafana")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,8 @@ def _verb_argv(command: list[str]) -> tuple[list[str], list[str]]:
     argv = [str(BIN / program)]
     if program == "celery":
         at = rest.index("-A") + 2
+        if rest[at] == "ojs-ml":  # `celery ojs-ml VERB`: the verb is the subcommand
+            at += 1
         return argv + rest[: at + 1], rest[at + 1 :]
     return argv + rest[:1], rest[1:]
 
@@ -52,7 +57,8 @@ def _options(args: list[str]) -> list[str]:
 def test_the_file_defines_redis_flower_three_workers_and_a_producer(
     services: dict[str, Any],
 ) -> None:
-    assert set(services) == {"redis", "flower", *WORKERS, "producer"}
+    plain = {name for name, service in services.items() if "profiles" not in service}
+    assert plain == {"redis", "flower", *WORKERS, "producer"}
     assert services["redis"]["image"].startswith("redis:")
     assert services["flower"]["ports"] == ["5555:5555"]
     assert set(services["producer"]["depends_on"]) == {"redis", *WORKERS}
@@ -73,7 +79,7 @@ def test_the_workers_are_the_demo_fleet_the_producer_waits_for(services: dict[st
 
 
 def test_every_app_service_talks_to_the_compose_redis(services: dict[str, Any]) -> None:
-    for name in ("flower", *WORKERS, "producer"):
+    for name in ("flower", *WORKERS, "producer", "exporter"):
         assert services[name]["environment"]["OJS_DEMO_BROKER"] == "redis://redis:6379/0"
     assert "--external-workers" in services["producer"]["command"]
 
@@ -87,7 +93,7 @@ def test_the_image_copies_paths_that_exist(services: dict[str, Any]) -> None:
         assert (ROOT / src).exists(), src
 
 
-@pytest.mark.parametrize("service", ["producer", *WORKERS])
+@pytest.mark.parametrize("service", ["producer", *WORKERS, "exporter"])
 def test_each_command_exists_and_accepts_every_option_it_is_given(
     services: dict[str, Any], service: str
 ) -> None:
@@ -116,3 +122,36 @@ def test_flower_runs_from_the_demo_app_and_knows_the_port_option(
 
     assert _options(args) == ["--port"]
     assert "port" in options
+
+
+def test_redis_keeps_an_append_only_file_synced_every_second(services: dict[str, Any]) -> None:
+    command = services["redis"]["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "everysec"
+
+
+def test_the_monitoring_profile_adds_the_exporter_prometheus_and_grafana_only_under_it(
+    services: dict[str, Any],
+) -> None:
+    profiled = {name: s["profiles"] for name, s in services.items() if "profiles" in s}
+    assert profiled == {name: ["monitoring"] for name in MONITORING}
+    assert services["exporter"]["image"] == services["producer"]["image"]
+    assert services["prometheus"]["depends_on"] == ["exporter"]
+    assert services["grafana"]["depends_on"] == ["prometheus"]
+
+
+@pytest.mark.parametrize("service", ["prometheus", "grafana"])
+def test_the_monitoring_images_are_pinned_to_a_release(
+    services: dict[str, Any], service: str
+) -> None:
+    image, _, tag = services[service]["image"].partition(":")
+    assert image in {"prom/prometheus", "grafana/grafana"}
+    assert re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{service} image tag {tag!r} is not a release"
+
+
+def test_every_host_path_a_service_mounts_exists(services: dict[str, Any]) -> None:
+    mounts = [v.split(":")[0] for s in services.values() for v in s.get("volumes", [])]
+    assert mounts, "the monitoring profile mounts its configuration"
+    for source in mounts:
+        assert source.startswith("./"), f"{source}: mount a path of this repository"
+        assert (ROOT / source).exists(), source

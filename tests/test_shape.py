@@ -3,7 +3,7 @@
 * Every import counts: module level, inside functions and under `TYPE_CHECKING`.
   The import graph has no cycle.
 * The live code is split by the process that runs it. A side (`producer`, `leader`,
-  `worker`, `child`) imports its own package, `wire`, `store`, the pure layers and
+  `worker`, `child`, `exporter`) imports its own package, `wire`, `store`, the pure layers and
   the support modules only; `wire` and `store` import no side; `plugin.py`, `cli`
   and `demo` compose the sides.
 * No package holds more than a quarter of the lines; modules stay under 400 lines,
@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "celery_ojs_ml"
 NAME = "celery_ojs_ml"
 PURE = frozenset({"spec", "capabilities", "matching", "allocator", "scheduler"})
 SUPPORT = frozenset({"errors", "lru", "checkpoint"})
-SIDES = frozenset({"producer", "leader", "worker", "child"})
+SIDES = frozenset({"producer", "leader", "worker", "child", "exporter"})
 MAY_IMPORT = {
     **{side: {side, "wire", "store"} | PURE | SUPPORT for side in SIDES},
     "wire": {"wire", "errors", "lru"} | PURE,

@@ -18,6 +18,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery_ojs_ml.allocator.choice import choose_whole, linked, share_want, wants_peers
+from celery_ojs_ml.allocator.device_kinds import (
+    kind_reasons,
+    masked,
+    roomier,
+    same_kind,
+    unusable,
+)
 from celery_ojs_ml.allocator.devices import Peers, largest_peer_set
 from celery_ojs_ml.allocator.model import (
     RESOURCE_NAMES,
@@ -175,6 +182,8 @@ class RunningBook:
         old = job.alloc.devices
         if len(devices) != len(old) or job.alloc.gpu_milli:
             return False  # a share stays where its milli-GPU are accounted
+        if not same_kind(self._caps, old, devices):  # a mixed or MIG host: device_kinds
+            return False
         peers = self._peers
         return peers is None or len(old) < 2 or not linked(old, peers) or linked(devices, peers)
 
@@ -203,9 +212,12 @@ class RunningBook:
         """The devices a job takes (`allocator.choice`) and its milli (0: whole GPUs)."""
         milli = share_milli(req, self._caps) if self._ledger is not None else None
         if milli is not None:
-            return (share_device(self.gpu_free_milli(), milli, prefer),), milli
+            free = masked(self.gpu_free_milli(), req, self._caps)  # a mixed host: device_kinds
+            return (share_device(free, milli, prefer),), milli
         peers = self._peers if wants_peers(req, self._peers) else None
-        found = choose_whole(self._caps.gpu_count, self.taken(()), want.gpus, prefer, peers)
+        taken = self.taken(()) | unusable(req, self._caps)  # a mixed or MIG host: device_kinds
+        taken |= roomier(req, self._caps, taken)
+        found = choose_whole(self._caps.gpu_count, taken, want.gpus, prefer, peers)
         if found is None:
             raise AllocatorError(f"no {want.gpus} GPUs that are NVLink peers are free")
         return found, 0
@@ -296,12 +308,14 @@ class RunningBook:
         reasons = [r for r in found if r.resource not in _COUNTED]
         want = Demand.of(req)
         if gpu_share(req) is not None:
-            milli = self.gpu_free_milli(released)
+            milli = masked(self.gpu_free_milli(released), req, self._caps)
             reasons += share_reasons(req, self._caps, self._ledger is not None, milli)
             want = share_want(req, self._caps, want, milli)
+        else:  # a mixed or MIG host: the devices of the job's kind (`device_kinds`)
+            reasons += kind_reasons(req, self._caps, want.gpus, self.taken(released))
         reasons += counted_reasons(want, total, free)
         if not reasons and self._peers is not None and wants_peers(req, self._peers):
-            taken = self.taken(released)
+            taken = self.taken(released) | unusable(req, self._caps)
             count, most = self._caps.gpu_count, self._most_linked
             reasons += peer_reasons(want.gpus, self._peers, count, taken, most)
         never = tuple(r for r in reasons if r.verdict is Verdict.NEVER)
@@ -323,8 +337,8 @@ class RunningBook:
         alike jobs matches each (request, shape) once. The cache keeps the
         request object alive, so its `id` cannot be reused while cached.
         """
-        if self._pools or wants_peers(req, self._peers):  # device sets matter, not counts alone
-            return self.assess(req, ())
+        if self._pools or wants_peers(req, self._peers) or self._caps.gpu_devices:
+            return self.assess(req, ())  # device sets matter, not counts alone
         key = (id(req), self.shape_now())
         hit = self._assessed.get(key)
         if hit is not None and hit[0] is req:
@@ -342,6 +356,8 @@ class RunningBook:
         if not ahead:
             return self.assess_now(req)
         if self._pools or gpu_share(req) is not None or wants_peers(req, self._peers):
+            return self.assess(req, ahead)
+        if self._caps.gpu_devices:
             return self.assess(req, ahead)
         seen = self.assess_now(req)
         if seen.verdict is not Verdict.FITS:

@@ -65,7 +65,12 @@ HINTS: dict[str, Hint] = {
     "models_loaded.model_format": Hint("a format name", "safetensors"),
     "model_registry_access": Hint("true or false", False),
     "runtimes": Hint("a list of runtime names", ["vllm", "pytorch"]),
+    "model_formats": Hint("a list of model format names", ["gguf"]),
     "labels": Hint("string keys and values", {"region": "us-east-1"}),
+    "gpu_devices": Hint(
+        "one object per device of gpu.count, in allocation order",
+        [{"type": "nvidia-a100", "memory_gb": 80}, {"type": "nvidia-t4", "memory_gb": 16}],
+    ),
 }
 
 _OWNERS: dict[str, type[BaseModel]] = {

@@ -18,7 +18,16 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from celery_ojs_ml.spec.catalogue import gpu_model
 
@@ -122,6 +131,20 @@ class GpuCapability(CapabilityModel):
         return filled
 
 
+class GpuDeviceFact(CapabilityModel):
+    """One device of a host whose GPUs differ (§11 `gpu_devices`, in allocation order):
+    two models, or MIG devices (`capabilities.devices`)."""
+
+    type: GpuType | None = None
+    """§3.2 GPU type id of the device (a MIG device: its GPU's), e.g. `nvidia-t4`."""
+    memory_gb: float = Field(gt=0)
+    """The device's own memory in GB (a MIG device: its slice)."""
+    compute_capability: CCString | None = None
+    """§3.2 compute capability of the device."""
+    mig: bool = False
+    """A MIG device: CUDA gives a process one, so it serves only 1-GPU jobs."""
+
+
 class TpuCapability(CapabilityModel):
     """The worker's TPU slice (§3.3), advertised next to §11 `gpu` as `tpu`."""
 
@@ -207,9 +230,16 @@ class Capabilities(CapabilityModel):
     default (False) it serves a pinned version (`ext_ml_model_id` + `ext_ml_model_version`)
     only when that version is in `models_loaded`."""
     runtimes: tuple[str, ...] = ()
-    """§11 runtimes installed on the worker, e.g. `vllm`, `pytorch`."""
+    """§11 runtimes installed on the worker, e.g. `vllm`, `pytorch`; a job's §6
+    `ext_ml_runtime` must be one of them (`capabilities.runtimes`)."""
+    model_formats: tuple[str, ...] = ()
+    """§4 model formats the worker loads besides those its runtimes load natively
+    (`capabilities.runtimes.RUNTIME_FORMATS`), e.g. `gguf` for a custom runtime."""
     labels: Labels = Field(default_factory=dict)
     """§11 free-form labels for node selectors and affinity (§7)."""
+    gpu_devices: tuple[GpuDeviceFact, ...] = ()
+    """Each GPU's own facts when they differ (a mixed host, MIG), one per device of
+    `gpu.count`; jobs are matched and allocated against these (`capabilities.devices`)."""
 
     _derived: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -217,6 +247,17 @@ class Capabilities(CapabilityModel):
     @classmethod
     def _accelerator(cls, data: Any) -> Any:
         return _infer_accelerator(data)
+
+    @field_validator("gpu_devices")
+    @classmethod
+    def _one_per_device(
+        cls, devices: tuple[GpuDeviceFact, ...], info: ValidationInfo
+    ) -> tuple[GpuDeviceFact, ...]:
+        gpu = info.data.get("gpu")
+        count = gpu.count if isinstance(gpu, GpuCapability) else 0
+        if devices and len(devices) != count:
+            raise ValueError(f"lists {len(devices)} devices but gpu.count is {count}")
+        return devices
 
     def model_post_init(self, context: Any, /) -> None:
         self._derived = _derive_labels(self)

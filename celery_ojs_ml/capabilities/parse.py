@@ -82,7 +82,7 @@ def parse_capabilities(doc: Any, *, worker_id: str | None = None) -> Capabilitie
 def capabilities_to_dict(c: Capabilities) -> dict[str, Any]:
     """The canonical §11 advertisement: JSON-able, parses back to an equal value."""
     inner = c.model_dump(mode="json", exclude_none=True, exclude={"worker_id"})
-    for key in ("models_loaded", "runtimes", "labels"):
+    for key in ("models_loaded", "runtimes", "model_formats", "labels", "gpu_devices"):
         if not inner[key]:
             del inner[key]
     if not inner["model_registry_access"]:

@@ -1,13 +1,15 @@
 """Detect this machine's capabilities: GPUs through NVML, the rest through psutil.
 
-The only module of the layer that does I/O. NVML and psutil are injectable, so tests
-run the real code against `celery_ojs_ml.testing.fake_nvml.FakeNVML`.
+With `runtimes.installed_runtimes` (module and binary look-ups), the only code of the
+layer that does I/O. NVML and psutil are injectable, so tests run the real code against
+`celery_ojs_ml.testing.fake_nvml.FakeNVML`.
 
 Key decision: the worker never claims more than it has. No driver, no devices or an
 NVML failure give a clean CPU-only result (probing never raises); sizes are GiB
 floored to 0.1, except a well-known GPU's VRAM, snapped to its catalogue variant
-(`vram_gb`); and a mixed host advertises its most common GPU type only
-(`summarise_gpus`), so no job is promised N GPUs of a type it has fewer of.
+(`vram_gb`); and a host whose devices differ (two models, MIG) advertises each
+device's facts (`capabilities.devices`), so no job is promised N GPUs of a type it
+has fewer of.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import itertools
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
+from celery_ojs_ml.capabilities.devices import GpuDevice as GpuDevice
+from celery_ojs_ml.capabilities.devices import differ, facts_of, most_common_type
 from celery_ojs_ml.capabilities.links import largest_peer_set
+from celery_ojs_ml.capabilities.mig import mig_devices
 from celery_ojs_ml.capabilities.model import VRAM_SNAP, Capabilities, GpuCapability
+from celery_ojs_ml.capabilities.runtimes import installed_runtimes
 from celery_ojs_ml.spec.catalogue import GPU_MODELS, gpu_model
 
 GIB = 1024**3
@@ -34,21 +40,6 @@ _PACKAGING = re.compile(r"^(\d+gb|sxm\d*|pcie|hbm\d*e?|nvl|mig.*)$")
 
 class _NeverRaised(Exception):
     """Stands in for NVMLError when the injected module has none."""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuDevice:
-    """One GPU as NVML reports it, for the allocator's device pinning."""
-
-    index: int
-    name: str
-    uuid: str | None
-    gpu_type: str
-    memory_gb: float
-    compute_capability: str | None
-    nvlink: bool
-    peers: frozenset[int] | None = None
-    """NVML indices of the devices it reaches over NVLink (NVML P2P status); None: unknown."""
 
 
 def gib_floor(n_bytes: float) -> float:
@@ -115,8 +106,9 @@ def _named(devices: list[GpuDevice], tokens: list[str] | None) -> list[tuple[str
     """(token, device) for each device `tokens` names, in their order; None: every device,
     named by its NVML index."""
     if tokens is None:
-        return [(str(d.index), d) for d in devices]
-    by_name = {str(d.index): d for d in devices} | {d.uuid: d for d in devices if d.uuid}
+        return [(d.token, d) for d in devices]
+    by_name = {str(d.index): d for d in devices if not d.mig}
+    by_name |= {d.uuid: d for d in devices if d.uuid}
     return [(t, by_name[t]) for t in tokens if t in by_name]
 
 
@@ -146,13 +138,13 @@ def probe_devices(
 def advertised_tokens(
     nvml: Any | None = None, env: dict[str, str] | None = None
 ) -> list[str] | None:
-    """How the worker's allocation indices name devices: the advertised group's devices.
+    """How the worker's allocation indices name devices.
 
-    On a host with one GPU model this is `visible_tokens` (None: index i is
-    device i). On a mixed host the worker advertises the most common model
-    only (`summarise_gpus`), so allocation index i must be the i-th device of
-    that model, named as CUDA_VISIBLE_DEVICES names it (the inherited token,
-    else the NVML index, which `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes CUDA's).
+    On a host of alike devices this is `visible_tokens` (None: index i is
+    device i). Where they differ (two models, MIG) allocation index i is the
+    i-th device the worker advertises (`Capabilities.gpu_devices`), named as
+    CUDA_VISIBLE_DEVICES names it: the inherited token, else the NVML index
+    (which `CUDA_DEVICE_ORDER=PCI_BUS_ID` makes CUDA's), a MIG device's UUID.
     """
     tokens, pairs, mixed = _advertised(nvml, env)
     return [t for t, _ in pairs] if mixed else tokens
@@ -179,22 +171,11 @@ def _local_peers(devices: list[GpuDevice]) -> list[frozenset[int]] | None:
 def _advertised(
     nvml: Any | None, env: dict[str, str] | None
 ) -> tuple[list[str] | None, list[tuple[str, GpuDevice]], bool]:
-    """The visible tokens, (token, device) of the advertised model in allocation order,
-    and whether the host mixes models."""
+    """The visible tokens, (token, device) in allocation order, and whether the devices
+    differ (then the tokens are named explicitly)."""
     tokens = visible_tokens(env)
     pairs = _named(probe_devices(nvml, visible=False), tokens)
-    gpu_type = _advertised_type([d for _, d in pairs])
-    group = [(t, d) for t, d in pairs if d.gpu_type == gpu_type]
-    return tokens, group, len(group) != len(pairs)
-
-
-def _advertised_type(devices: list[GpuDevice]) -> str | None:
-    """The most common model (ties: the model of the first device); None without devices."""
-    if not devices:
-        return None
-    counts = Counter(d.gpu_type for d in devices)
-    top = max(counts.values())
-    return next(d.gpu_type for d in devices if counts[d.gpu_type] == top)
+    return tokens, pairs, differ([d for _, d in pairs])
 
 
 def probe(
@@ -203,44 +184,51 @@ def probe(
     psutil_mod: Any | None = None,
     shm_path: str = "/dev/shm",
     disk_path: str = "/",
+    runtimes: Sequence[str] | None = None,
 ) -> Capabilities:
-    """This machine's capabilities; CPU-only (never an exception) without GPUs."""
+    """This machine's capabilities; CPU-only (never an exception) without GPUs.
+    `runtimes`: the §11 runtimes to advertise; None finds them (`installed_runtimes`)."""
     devices = probe_devices(nvml)
     gpu, labels = summarise_gpus(devices)
     host = _host(psutil_mod, shm_path, disk_path)
-    return Capabilities.model_validate({"gpu": gpu, "labels": labels, **host})
+    found = installed_runtimes() if runtimes is None else tuple(runtimes)
+    facts = facts_of(devices) if differ(devices) else ()
+    doc = {"gpu": gpu, "labels": labels, "runtimes": found, "gpu_devices": facts, **host}
+    return Capabilities.model_validate(doc)
 
 
 def summarise_gpus(devices: list[GpuDevice]) -> tuple[GpuCapability | None, dict[str, str]]:
     """The advertised `gpu` object and mix labels for a list of devices.
 
-    Mixed GPUs: `gpu` describes the most common type only (ties: the type of the
-    lowest index), with count, VRAM and compute capability of that group;
-    `gpu_heterogeneous = "true"` and `gpu_types` record the mix. `probe_devices()`
-    lists every device, and `advertised_tokens()` maps the allocator's indices onto
-    the advertised model's devices only.
+    `gpu` counts every device. Mixed GPUs: its type and compute capability are the
+    most common model's (ties: the model of the lowest index), its VRAM the
+    smallest device's; `gpu_heterogeneous = "true"` and `gpu_types` record the
+    mix, `gpu_mig = "true"` MIG devices, and `Capabilities.gpu_devices` each
+    device's facts (`capabilities.devices`).
     """
     if not devices:
         return None, {}
     counts = Counter(d.gpu_type for d in devices)
-    gpu_type = _advertised_type(devices) or ""
-    group = [d for d in devices if d.gpu_type == gpu_type]
+    gpu_type = most_common_type(devices) or ""
     labels = {}
     if len(counts) > 1:
         labels = {"gpu_heterogeneous": "true", "gpu_types": ",".join(sorted(counts))}
-    return _gpu_of(gpu_type, group), labels
+    if any(d.mig for d in devices):
+        labels["gpu_mig"] = "true"
+    return _gpu_of(gpu_type, devices, [d for d in devices if d.gpu_type == gpu_type]), labels
 
 
-def _gpu_of(gpu_type: str, group: list[GpuDevice]) -> GpuCapability:
-    """The `gpu` object of one type's devices.
+def _gpu_of(gpu_type: str, group: list[GpuDevice], models: list[GpuDevice]) -> GpuCapability:
+    """The `gpu` object of `group`, with the compute capability of `models` (its
+    devices of `gpu_type`, as the §3.2 catalogue has it).
 
     Interconnect is `nvlink` when at least two devices are NVLink peers (NVML's P2P
     status; without it, when any device has an active NVLink link), `pcie` otherwise,
     unset for a single GPU (§3.2). When the peers form smaller islands (bridged
     pairs), `nvlink_group` says how many devices one job can get all linked.
     """
-    ccs = [d.compute_capability for d in group if d.compute_capability]
-    complete = len(ccs) == len(group)
+    ccs = [d.compute_capability for d in models if d.compute_capability]
+    complete = len(ccs) == len(models)
     interconnect, linked = None, _linked(group)
     if len(group) > 1:
         nvlink = any(d.nvlink for d in group) if linked is None else linked >= 2
@@ -295,7 +283,12 @@ def _read_devices(module: Any, errors: tuple[type[BaseException], ...]) -> list[
         except errors:
             continue
     peers = _nvlink_peers(module, read, errors)
-    return [replace(d, peers=None if peers is None else peers[d.index]) for d, _ in read]
+    found: list[GpuDevice] = []
+    for device, handle in read:
+        device = replace(device, peers=None if peers is None else peers[device.index])
+        migs = mig_devices(module, device, handle, errors, gib_floor)  # capabilities.mig
+        found += [device] if migs is None else migs
+    return found
 
 
 def _nvlink_peers(

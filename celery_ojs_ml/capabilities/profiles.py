@@ -31,6 +31,12 @@ ENV_VAR = "OJS_ML_CAPABILITIES"
 OPTION = "--ojs-ml-capabilities"
 _FORMS = "auto, a JSON object, profile:NAME, or the path of a JSON or YAML file"
 
+#: §11 runtimes a simulated machine advertises: a GPU node's serving and training stack,
+#: a CPU node's CPU inference runtimes, a TPU node's frameworks.
+GPU_RUNTIMES = ["pytorch", "tensorflow", "onnx", "triton", "vllm", "tgi"]
+CPU_RUNTIMES = ["pytorch", "tensorflow", "onnx", "llama.cpp"]
+TPU_RUNTIMES = ["tensorflow", "pytorch"]
+
 #: GPU models whose multi-GPU machines are usually NVLink boards (SXM/OAM).
 _NVLINK_BOARDS = frozenset(
     {"nvidia-a100", "nvidia-h100", "nvidia-h200", "nvidia-b200", "nvidia-v100"}
@@ -46,6 +52,7 @@ def _gpu_machine(gpu_type: str, count: int, cores: int, ram: float, **extra: Any
         "gpu": gpu,
         "cpu_cores": cores,
         "memory_gb": ram,
+        "runtimes": list(GPU_RUNTIMES),
         **extra,
     }
 
@@ -66,6 +73,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory_gb": 128,
         "storage_gb": 500,
         "shm_size_gb": 32,
+        "runtimes": CPU_RUNTIMES,
     },
     "tpu-v5e-2x4": {
         "accelerator": "tpu",
@@ -74,6 +82,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "memory_gb": 384,
         "storage_gb": 1000,
         "shm_size_gb": 96,
+        "runtimes": TPU_RUNTIMES,
     },
 }
 
@@ -106,7 +115,11 @@ def _generic(name: str) -> dict[str, Any] | None:
         )
     tpu = _GENERIC_TPU.match(name)
     if tpu and tpu["type"] in TPU_TYPES:
-        return {"accelerator": "tpu", "tpu": {"type": tpu["type"], "topology": tpu["topology"]}}
+        return {
+            "accelerator": "tpu",
+            "tpu": {"type": tpu["type"], "topology": tpu["topology"]},
+            "runtimes": list(TPU_RUNTIMES),
+        }
     return None
 
 

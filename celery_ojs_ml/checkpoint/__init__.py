@@ -79,8 +79,8 @@ class _CallablePackage(types.ModuleType):
     the two a task ends up holding.
     """
 
-    def __call__(self, task: Any) -> Checkpointer:
-        return checkpoint(task)
+    def __call__(self, task: Any, *, report_progress: bool = True) -> Checkpointer:
+        return checkpoint(task, report_progress=report_progress)
 
 
 sys.modules[__name__].__class__ = _CallablePackage

@@ -69,6 +69,9 @@ class Checkpointer:
         self._resume_from = resume_from
         self._app_conf = app_conf
         self._last_save_at = clock()
+        self._save_began = self._last_save_at
+        """When the latest `writer()` opened: `ojs-checkpoint-saved` reports the save's
+        duration from it."""
         self._last: CheckpointMeta | None = None
         self._resumed: CheckpointMeta | None = None
         self._resume_done = False
@@ -78,6 +81,8 @@ class Checkpointer:
         self._next_poll = float("-inf")
         self._next_sequence: int | None = None
         self._fs: tuple[Any, str] | None = None
+        self._final: dict[str, Any] | None = None
+        """The final record the next commit writes (`save(final=True)`)."""
         self._before_commit: Callable[[CheckpointMeta], None] | None = None
         """Test seam only: runs between the payload write and the commit (crash tests)."""
 
@@ -171,11 +176,22 @@ class Checkpointer:
         loss: float | None = None,
         metrics: Mapping[str, Any] | None = None,
         files: Mapping[str, storage.Source] | None = None,
+        final: bool = False,
+        result: Any = None,
     ) -> CheckpointMeta:
-        """Write `files` and commit the checkpoint atomically; returns its metadata."""
-        with self.writer(epoch=epoch, step=step, loss=loss, metrics=metrics) as w:
-            for name, source in (files or {}).items():
-                w.write(name, source)
+        """Write `files` and commit the checkpoint atomically; returns its metadata.
+
+        `final=True` on the job's last save marks it done in the same commit, with
+        `result` (JSON-able) as what the task returns: a copy of the job delivered
+        again (its worker died before the result was stored) is not run again; the
+        worker stores `result` as its result instead (docs/checkpoint.md)."""
+        self._final = records.final_record(self.job_id, result) if final else None
+        try:
+            with self.writer(epoch=epoch, step=step, loss=loss, metrics=metrics) as w:
+                for name, source in (files or {}).items():
+                    w.write(name, source)
+        finally:
+            self._final = None  # committed with this save, or not at all
         return w.meta
 
     def writer(
@@ -188,6 +204,7 @@ class Checkpointer:
     ) -> CheckpointWriter:
         """A writer for streaming files; the checkpoint commits when its `with` block ends."""
         storage_uri = self._storage_uri()
+        self._save_began = self._clock()
         fields = {"job_id": self.job_id, "epoch": epoch, "step": step, "loss": loss}
         draft = build_meta({**fields, "metrics": dict(metrics or {}), "storage_key": storage_uri})
         sequence = self._next_sequence or records.next_sequence(self.store, self.job_id)
@@ -206,6 +223,7 @@ class Checkpointer:
 
     def _storage_fs(self, storage_uri: str) -> tuple[Any, str]:
         if self._fs is None:
+            self.settings.check_storage(storage_uri)  # again where storage opens (§15.3)
             fs, path = storage.filesystem(storage_uri, self._options(storage_uri))
             self._fs = (fs, path.rstrip("/"))
         return self._fs
@@ -221,9 +239,12 @@ class Checkpointer:
     def _commit(self, w: CheckpointWriter) -> CheckpointMeta:
         """Phase two of a save (DESIGN decision 6): the metadata, atomically, in Redis."""
         meta = self._final_meta(w)
+        final, self._final = self._final, None
+        if final is not None:
+            final["sequence"] = meta.sequence
         try:
             committed = records.commit(
-                self.store, meta, self.settings.max_count, lease_token=self._lease_token
+                self.store, meta, self.settings.max_count, self._lease_token, final
             )
         except LeaseLost:
             log.warning(
@@ -276,7 +297,7 @@ class Checkpointer:
         self._next_sequence = next_sequence
         if queued:
             self.evict_expired()
-        self._emit(SAVED, meta)
+        self._emit(SAVED, meta, duration_s=max(0.0, self._last_save_at - self._save_began))
 
     def _abandon(self, w: CheckpointWriter) -> None:
         try:

@@ -164,12 +164,25 @@ class CheckpointSettings:
         if problems:
             raise SpecError(problems)
 
+    def check_storage(self, uri: str) -> None:
+        """Raise `SpecError` unless checkpoint storage may be opened at `uri`: the allowed
+        schemes, prefixes and reach (`uris.checkpoint_problems`, OJS ML §15.3, Extensions
+        §12.1). Run at construction and again where the helper opens storage."""
+        problems = self._uri_violations(uri)
+        if problems:
+            raise SpecError(problems)
+
+    def _uri_violations(self, uri: str) -> list[Violation]:
+        schemes, prefixes = self.bounds.checkpoint_schemes, self.bounds.checkpoint_prefixes
+        return [
+            Violation(STORAGE_URI, p.text, p.section, p.fix or _URI_FIX)
+            for p in uris.checkpoint_problems(uri, schemes, prefixes)
+        ]
+
     def _violations(self) -> list[Violation]:
         out = []
         if self.storage_uri is not None:
-            schemes, prefixes = self.bounds.checkpoint_schemes, self.bounds.checkpoint_prefixes
-            for problem in uris.checkpoint_problems(self.storage_uri, schemes, prefixes):
-                out.append(Violation(STORAGE_URI, problem.text, problem.section, _URI_FIX))
+            out += self._uri_violations(self.storage_uri)
         if self.interval_s <= 0:
             out.append(_positive("ext_ml_checkpoint_interval_s", self.interval_s, 300))
         if self.max_count < 1:

@@ -18,9 +18,10 @@ from typing import Any
 
 import redis
 
-from celery_ojs_ml.checkpoint.model import CheckpointMeta
+from celery_ojs_ml.checkpoint.model import CheckpointError, CheckpointMeta
 from celery_ojs_ml.checkpoint.preempt import LeaseLost
 from celery_ojs_ml.store.checkpoints import Keys, last_raw, last_raws
+from celery_ojs_ml.store.leases import taken_back_key
 from celery_ojs_ml.store.registry import OJSStore
 
 __all__ = ["Keys", "commit", "last_checkpoint", "last_checkpoints", "next_sequence"]
@@ -47,15 +48,22 @@ class Committed:
 
 
 def commit(
-    store: OJSStore, meta: CheckpointMeta, max_count: int, lease_token: str | None = None
+    store: OJSStore,
+    meta: CheckpointMeta,
+    max_count: int,
+    lease_token: str | None = None,
+    final: dict[str, Any] | None = None,
 ) -> Committed:
     """Record `meta` as the job's last checkpoint and retire what exceeds `max_count`.
 
     With `lease_token` (the token of the lease this copy of the job runs
-    under), the commit is fenced: it happens only if the job's lease is absent
-    (not written yet) or still carries that token, checked and applied in one
-    WATCH/MULTI. Otherwise another worker took the job over and `LeaseLost`
-    is raised; nothing is committed.
+    under), the commit is fenced: it happens only if the job's lease still
+    carries that token, or is absent because it was not written yet (not
+    because a claimer re-published this copy's job and released it:
+    `taken_back_key`), checked and applied in one WATCH/MULTI. Otherwise
+    another worker took the job over and `LeaseLost` is raised; nothing is
+    committed. `final` (JSON-able) marks the job done in the same step
+    (`Keys.final`).
     """
     keys = Keys.of(store, meta.job_id)
     record = meta.to_json()
@@ -65,24 +73,53 @@ def commit(
             try:
                 if lease_token is not None:
                     pipe.watch(lease)  # type: ignore[no-untyped-call]
-                    raw = pipe.get(lease)
-                    if raw and _token(raw) != lease_token:
+                    if _lost(pipe, store, meta.job_id, lease, lease_token):
                         pipe.reset()
                         raise LeaseLost(meta.job_id, meta.sequence)
                     pipe.multi()
-                pipe.set(keys.last, record)
-                pipe.rpush(keys.history, record)
-                pipe.lrange(keys.history, 0, -(max_count + 1))
-                pipe.ltrim(keys.history, -max_count, -1)
-                pipe.llen(keys.expired)
-                pipe.incr(keys.seq)
-                _, _, evicted, _, queued, next_sequence = pipe.execute()
+                _queue_commit(pipe, keys, record, max_count, final)
+                *_, evicted, _, queued, next_sequence = pipe.execute()
                 break
             except redis.WatchError:
                 continue  # the lease was refreshed meanwhile: look again
+    store.replicated()  # before a payload is evicted: a failover must not bring back its record
     if evicted:
         queued = store.client.rpush(keys.expired, *evicted)
     return Committed(int(queued), int(next_sequence))
+
+
+def _queue_commit(
+    pipe: Any, keys: Keys, record: str, max_count: int, final: dict[str, Any] | None
+) -> None:
+    """The commit's writes, in a MULTI; their last four replies are what `commit` reads."""
+    if final is not None:
+        pipe.set(keys.final, json.dumps(final))
+    pipe.set(keys.last, record)
+    pipe.rpush(keys.history, record)
+    pipe.lrange(keys.history, 0, -(max_count + 1))
+    pipe.ltrim(keys.history, -max_count, -1)
+    pipe.llen(keys.expired)
+    pipe.incr(keys.seq)
+
+
+def final_record(job_id: str, result: Any) -> dict[str, Any]:
+    """The record of a final save; its result must survive JSON, as a result backend's."""
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"the result of {job_id}'s final checkpoint is not JSON ({exc}); pass a JSON "
+            "value, e.g. ckpt.save(epoch=epoch, final=True, result={'loss': 0.1})"
+        ) from exc
+    return {"result": result}
+
+
+def _lost(pipe: Any, store: OJSStore, job_id: str, lease: str, token: str) -> bool:
+    """Whether the copy holding `token` lost its job (read inside the commit's WATCH)."""
+    raw = pipe.get(lease)
+    if raw:
+        return bool(_token(raw) != token)
+    return bool(pipe.exists(taken_back_key(store, job_id, token)))
 
 
 def _token(raw: Any) -> Any:

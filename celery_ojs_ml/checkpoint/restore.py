@@ -126,7 +126,7 @@ def record_problem(job_id: str, meta: CheckpointMeta, settings: CheckpointSettin
     if meta.job_id != job_id:
         return f"belongs to job {meta.job_id!r}, not {job_id!r} (OJS ML §15.3)"
     key = meta.storage_key
-    problem = key_problem(key, settings.bounds)
+    problem = key_problem(key, settings.bounds, prefixes=False)
     if problem is not None:
         return problem
     if settings.storage_uri is None:
@@ -141,21 +141,27 @@ def record_problem(job_id: str, meta: CheckpointMeta, settings: CheckpointSettin
     return None
 
 
-def key_problem(key: str, bounds: Bounds) -> str | None:
-    """Why `key` fails the storage-URI allow-list (`ojs_ml_checkpoint_schemes`/`_prefixes`)."""
+def key_problem(key: str, bounds: Bounds, *, prefixes: bool = True) -> str | None:
+    """Why `key` fails the storage-URI allow-list (`ojs_ml_checkpoint_schemes`/`_prefixes`).
+
+    A record needs no prefix check (`prefixes=False`): it is restored only from its
+    job's own directory, under a storage URI that passed the prefixes and the reach
+    rule (`uris.checkpoint_problems`)."""
     problems = [p.text for p in uris.uri_problems(key, bounds.checkpoint_schemes, "§15.3")]
-    prefixes = bounds.checkpoint_prefixes
-    if not problems and prefixes and not key.startswith(prefixes):
-        problems.append(f"is outside the allowed prefixes {list(prefixes)}")
+    allowed = bounds.checkpoint_prefixes if prefixes else ()
+    if not problems and allowed and not any(uris.under_prefix(key, p) for p in allowed):
+        problems.append(f"is outside the allowed prefixes {list(allowed)}")
     return f"has storage_key {key!r} that " + "; ".join(problems) if problems else None
 
 
 def resume_from_problem(uri: str, bounds: Bounds) -> str | None:
-    """Why `ext_mlx_training_resume_from` may not be restored (§15.3, Extensions §12.1)."""
+    """Why `ext_mlx_training_resume_from` may not be restored (§15.3, Extensions §12.1).
+
+    It names weights, an artifact: the artifact prefixes decide its reach."""
     problem = key_problem(uri, bounds)
     if problem is not None:
         return problem
-    reach = uris.artifact_reach_problem(uri, bounds.artifact_prefixes)
+    reach = uris.reach_problem(uri, bounds.artifact_prefixes)
     return (
         None if reach is None else f"has storage_key {uri!r} that {reach} (OJS ML Extensions §12.1)"
     )

@@ -8,32 +8,42 @@ Key decisions:
   message lacks, so a task called without the router still checkpoints.
 - Events are `ojs-checkpoint-*`, never `task-*`: a custom `task-<x>` event
   would leave a sticky state in Flower (research/celery-internals.md §5).
+- A save with a step also stores the task's `PROGRESS` state (`wire.progress`),
+  one backend write beside the checkpoint's own, unless the task reports its
+  own progress: its steps may count something else.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from celery_ojs_ml.checkpoint.helper import Checkpointer, Emit
+from celery_ojs_ml.checkpoint.helper import SAVED, Checkpointer, Emit
 from celery_ojs_ml.checkpoint.model import SETTING_KEYS, STORAGE_URI, CheckpointSettings
 from celery_ojs_ml.checkpoint.storage import storage_options_for
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import DEFAULT_BOUNDS, Bounds
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire import headers as h
+from celery_ojs_ml.wire import progress as wire_progress
 from celery_ojs_ml.wire.settings import RestoreMode
 
 HEADER_LAST = h.LAST_CHECKPOINT
 """Header carrying the `last_checkpoint` of a re-published (preempted or crashed) job."""
 HEADER_LEASE = h.LEASE
 """Set by the worker's gate: the token of the lease this run holds (fences its commits)."""
+log = logging.getLogger(__name__)
 RESUME_FROM = "ext_mlx_training_resume_from"
 """OJS ML Extensions §5.1: a checkpoint URI to resume training from."""
 
 
-def checkpoint(task: Any) -> Checkpointer:
-    """The checkpoint helper of the running task; call it as `checkpoint(self)` in a bound task."""
+def checkpoint(task: Any, *, report_progress: bool = True) -> Checkpointer:
+    """The checkpoint helper of the running task; call it as `checkpoint(self)` in a bound task.
+
+    With `report_progress`, each save with a step stores it as the task's progress.
+    """
     request = getattr(task, "request", None)
     job_id = getattr(request, "id", None)
     if not job_id:
@@ -44,6 +54,7 @@ def checkpoint(task: Any) -> Checkpointer:
         )
     attrs = _declared(task, request)
     conf = task.app.conf
+    store = _store(task.app)
     settings = CheckpointSettings.from_attrs(
         attrs,
         bounds=_bounds(task.app),
@@ -53,8 +64,8 @@ def checkpoint(task: Any) -> Checkpointer:
     return Checkpointer(
         str(job_id),
         settings,
-        _store(task.app),
-        emit=_emitter(task),
+        store,
+        emit=_emitter(task, report_progress),
         header_last=_header(request, HEADER_LAST),
         resume_from=attrs.get(RESUME_FROM),
         app_conf=conf,
@@ -106,8 +117,22 @@ def _store(app: Any) -> OJSStore:
     return store
 
 
-def _emitter(task: Any) -> Emit:
+def _emitter(task: Any, report_progress: bool = True) -> Emit:
+    queue = _header(getattr(task, "request", None), h.LOGICAL)  # the exporter's label
+    extra = {"queue": queue} if isinstance(queue, str) else {}
+
     def emit(event: str, fields: dict[str, Any]) -> None:
-        task.send_event(event, **fields)
+        if report_progress and event == SAVED:
+            _saved_progress(task, fields)
+        task.send_event(event, **fields, **extra)
 
     return emit
+
+
+def _saved_progress(task: Any, fields: dict[str, Any]) -> None:
+    try:
+        meta = wire_progress.from_checkpoint(task.request, fields, time.monotonic())
+        if meta is not None:
+            task.update_state(state=wire_progress.STATE, meta=meta)
+    except Exception as exc:  # no result backend, or it is down: the save stands
+        log.debug("ojs-ml: could not store the progress of %s: %s", task.request.id, exc)

@@ -18,7 +18,7 @@ from celery import signals
 from celery.states import SUCCESS
 
 from celery_ojs_ml.checkpoint.preempt import reset_flag
-from celery_ojs_ml.child import pinning, warm_slot
+from celery_ojs_ml.child import limits, pinning, warm_slot
 from celery_ojs_ml.child.gang_env import is_rank, store_rank_result
 from celery_ojs_ml.wire import headers as h
 
@@ -88,6 +88,8 @@ def child_postrun(task: Any = None, retval: Any = None, state: Any = None, **_: 
     the device set the child's CUDA came up with (`warm_slot.bind_after_task`)."""
     request = getattr(task, "request", None)
     try:
+        if request is not None:
+            limits.finish(task, request, state, retval)  # names a failure past its memory bound
         pinning.unpin_request(request)
         if state == SUCCESS and is_rank(request):
             store_rank_result(sender=task, result=retval)

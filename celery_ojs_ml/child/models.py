@@ -1,11 +1,15 @@
 """The per-child model cache for tasks (`ml.model`) and its live advertisement.
 
-    net = model(self, ("resnet", "v2"), lambda: load_resnet("v2"))  # once per child
+    net = model(self, ("resnet", "v2"), lambda: load_resnet(PATH), path=PATH)  # once per child
 
-Key decision: a warm pool child keeps its CUDA context between tasks, so it keeps the
+Key decisions: a warm pool child keeps its CUDA context between tasks, so it keeps the
 models it loaded too, keyed by (model id, version) and evicted least recently used
 (`evict`). After each change the child writes what it holds to the store (`publish`),
 so the scheduler's locality term (§11.3) and the gate see live facts within a heartbeat.
+When the job gives `ext_ml_model_checksum`, the model's file (`path=`, else the job's
+model URI) is verified before the loader runs, and again for every later job that
+gives one; the digest is computed once per file (`model_files.verify_cached`), and a
+mismatch fails the job (OJS ML §4, §15.2).
 
 Layout: `<prefix>:{ml}:models:<worker>`  hash  child pid -> JSON {devices, models}
 """
@@ -19,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from celery_ojs_ml.child.model_files import CHECKSUM, job_model_file, job_value, verify_cached
 from celery_ojs_ml.wire import headers as h
 
 log = logging.getLogger(__name__)
@@ -26,6 +31,8 @@ T = TypeVar("T")
 Key = tuple[str, str]
 _CACHE: OrderedDict[Key, tuple[Any, float | None]] = OrderedDict()
 _STATS = {"loads": 0, "hits": 0}
+_UNVERIFIED: set[Key] = set()
+"""Models whose checksum could not be verified (no file known), warned about once."""
 
 
 def _key(key: Any) -> Key:
@@ -36,9 +43,21 @@ def _key(key: Any) -> Key:
     raise TypeError(f"model key is {key!r}; use (model_id, model_version) or a model id string")
 
 
-def model(task: Any, key: Any, loader: Callable[[], T], *, vram_gb: float | None = None) -> T:
-    """The model under `key` for this pool child: loaded once by `loader`, then reused."""
+def model(
+    task: Any,
+    key: Any,
+    loader: Callable[[], T],
+    *,
+    vram_gb: float | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> T:
+    """The model under `key` for this pool child: loaded once by `loader`, then reused.
+
+    `path` is the file the loader reads; with the job's `ext_ml_model_checksum` it is
+    verified before the model is loaded or served (`ChecksumMismatch` fails the job).
+    """
     k = _key(key)
+    _verify(task, k, path)
     hit = _CACHE.get(k)
     if hit is not None:
         _CACHE.move_to_end(k)
@@ -54,6 +73,24 @@ def model(task: Any, key: Any, loader: Callable[[], T], *, vram_gb: float | None
     )
     publish(task)
     return value
+
+
+def _verify(task: Any, k: Key, path: str | os.PathLike[str] | None) -> None:
+    """OJS ML §4: check the job's checksum against the model's file, when the job has one."""
+    expected = job_value(task, CHECKSUM)
+    if not expected:
+        return
+    file = os.fspath(path) if path is not None else job_model_file(task)
+    if file is None:
+        if k not in _UNVERIFIED:
+            _UNVERIFIED.add(k)
+            log.warning(
+                "ojs-ml: the job gives ext_ml_model_checksum but model(%r) knows no file to "
+                "verify; pass path=... or set ext_mlx_inference_model_uri (OJS ML §4)",
+                k,
+            )
+        return
+    verify_cached(file, str(expected))
 
 
 def evict(max_models: int, max_vram_gb: float | None) -> list[Key]:
@@ -90,6 +127,7 @@ def stats() -> dict[str, int]:
 def clear() -> None:
     """Forget every model (tests)."""
     _CACHE.clear()
+    _UNVERIFIED.clear()
 
 
 def _settings(task: Any) -> Any:

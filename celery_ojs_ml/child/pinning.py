@@ -1,4 +1,5 @@
-"""Pool-child side: pin `CUDA_VISIBLE_DEVICES` around each ML task body.
+"""Pool-child side: pin `CUDA_VISIBLE_DEVICES` (and TPU chips: `child.tpu_env`) around each
+ML task body.
 
 Key decisions (research/celery-internals.md §3):
 * The main process allocates and puts the device list in the request (`ojs_devices`);
@@ -19,7 +20,10 @@ import os
 from typing import Any
 
 from celery_ojs_ml.child.gang_env import restore_env, set_env
+from celery_ojs_ml.child.limits import set_limits
+from celery_ojs_ml.child.run_env import restore_run_env, set_run_env
 from celery_ojs_ml.child.sharing import restore_share_env, set_share_env
+from celery_ojs_ml.child.tpu_env import restore_tpu_env, set_tpu_env
 from celery_ojs_ml.child.warm_slot import take_move
 from celery_ojs_ml.wire import headers as h
 
@@ -193,8 +197,11 @@ def pin_request(request: Any) -> None:
     set CUDA_VISIBLE_DEVICES to exactly the allocated devices."""
     if request is None:
         return
+    set_run_env(request)  # a Flux job's cwd and environment, first (child.run_env)
+    set_limits(request)  # the job's CPUs and memory bound (child.limits)
     set_env(request)  # a gang rank's MASTER_ADDR, RANK, ... (child.gang_env)
     set_share_env(request)  # a GPU share's MPS memory limit (child.sharing)
+    set_tpu_env(request)  # the TPU chips: TPU_VISIBLE_CHIPS, ... (child.tpu_env)
     take_move(request)  # warm children: the job was moved onto this child's devices
     devices = getattr(request, h.DEVICES, None)
     if devices is None or not getattr(request, h.PIN, False):
@@ -226,13 +233,14 @@ def unpin_request(request: Any) -> None:
         return
     restore_env(request)
     restore_share_env(request)
-    if not hasattr(request, "ojs_saved_cvd"):
-        return
-    saved = request.ojs_saved_cvd
-    if saved is None:
-        os.environ.pop(CVD, None)
-    else:
-        os.environ[CVD] = saved
+    restore_tpu_env(request)
+    if hasattr(request, "ojs_saved_cvd"):
+        saved = request.ojs_saved_cvd
+        if saved is None:
+            os.environ.pop(CVD, None)
+        else:
+            os.environ[CVD] = saved
+    restore_run_env(request)  # last: the job's own cwd and variables (child.run_env)
 
 
 def devices(task: Any) -> list[int]:

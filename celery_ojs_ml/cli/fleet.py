@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_ojs_ml.capabilities import parse_capabilities
-from celery_ojs_ml.cli import queued, sched
+from celery_ojs_ml.cli import progress, queued, sched
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.matching.filters import fmt
 from celery_ojs_ml.spec.flux_rules import is_int
@@ -61,6 +61,7 @@ def gather(plugin: OJSML, timeout: float) -> dict[str, Any]:
         name: _view(replies.get(name), live.get(name), held.get(name), now)
         for name in sorted(set(replies) | set(live))
     }
+    progress.attach(plugin, workers)  # running jobs' last PROGRESS state, if any
     return {
         "workers": workers,
         "pending": pending,
@@ -165,7 +166,9 @@ def render_location(found: dict[str, Any], now: float) -> str:
         return f"{tid} is assigned to {found['worker']} and about to start"
     if state == "running":
         gpus = ", ".join(str(d) for d in found.get("devices", [])) or "none"
-        return f"{tid} runs on {found['worker']} with GPU(s) {gpus} (band {found.get('band')})"
+        line = f"{tid} runs on {found['worker']} with GPU(s) {gpus} (band {found.get('band')})"
+        report = found.get("progress")
+        return f"{line}: {progress.describe(report)}" if isinstance(report, dict) else line
     if state == "held":
         return f"{tid} is held on {found['worker']} (band {found.get('band')}): {found['reason']}"
     if state == "queued":
@@ -224,6 +227,8 @@ def _worker_block(name: str, view: dict[str, Any], reserved: Sequence[str] = ())
     )
     lines += _field("pinning", _PINNING.get(view.get("pinning"), "unknown"))
     lines += _device_lines(view["devices"], view["allocations"])
+    for task_id, text in progress.lines(view["allocations"]):
+        lines += _field("progress", f"{task_id} {text}")
     lines += _held_lines(view["held"])
     for entry in reserved:
         lines += _field("reserved", entry)

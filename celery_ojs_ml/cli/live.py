@@ -20,6 +20,7 @@ from celery_ojs_ml.cli import fleet as fleet_view
 from celery_ojs_ml.cli import offline, reserve, sched
 from celery_ojs_ml.cli.app import app_option, json_option, load_plugin, timeout_option
 from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
+from celery_ojs_ml.cli.progress import progress_of
 from celery_ojs_ml.cli.queued import find_granted, find_queued, live_fleet
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
 from celery_ojs_ml.matching import pending_message, rank
@@ -114,6 +115,8 @@ def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) ->
     except Exception as exc:
         raise _fail("cannot reach the broker", exc) from None
     found = fleet_view.locate(task_id, report)
+    if found["state"] == "running" and "progress" not in found:
+        found["progress"] = progress_of(plugin, task_id)
     if found["state"] == "unknown":
         try:
             found = find_granted(plugin, task_id) or find_queued(plugin, task_id) or found

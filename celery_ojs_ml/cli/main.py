@@ -11,6 +11,7 @@ import click
 
 from celery_ojs_ml.cli.jobs import checkpoints, dead
 from celery_ojs_ml.cli.live import LIVE_COMMANDS
+from celery_ojs_ml.cli.metrics import metrics
 from celery_ojs_ml.cli.offline import explain, match, probe_cmd, schema, validate
 from celery_ojs_ml.cli.tour import tour
 from celery_ojs_ml.demo.cli import demo
@@ -23,7 +24,7 @@ def cli() -> None:
 
 for command in (validate, match, explain, probe_cmd, schema, tour, demo):
     cli.add_command(command)
-for command in (checkpoints, dead):
+for command in (checkpoints, dead, metrics):
     cli.add_command(command)
 for command in LIVE_COMMANDS:  # status, submit, and an `explain` that also takes the live forms
     cli.add_command(command)

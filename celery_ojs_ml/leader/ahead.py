@@ -10,11 +10,11 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from celery_ojs_ml.allocator.model import Demand
+from celery_ojs_ml.allocator.model import Demand, rank
 from celery_ojs_ml.matching import FreeCapacity
 from celery_ojs_ml.matching.match import hard_reasons
 from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, WorkerState
-from celery_ojs_ml.scheduler.fair import AheadShares, held_gpus, weighted_split
+from celery_ojs_ml.scheduler.fair import AheadShares, decayed_split, held_gpus, weighted_split
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
 from celery_ojs_ml.store.pending import ASSIGNED
@@ -68,7 +68,11 @@ def left_after(
     return left
 
 
-def room(fleet: list[WorkerState], left: dict[str, FreeCapacity]) -> dict[str, tuple[int, int]]:
+def room(
+    fleet: list[WorkerState],
+    left: dict[str, FreeCapacity],
+    assigned: Mapping[str, list[PendingJob]] | None = None,
+) -> dict[str, tuple[int, int]]:
     """Per worker where jobs may wait ahead: (the rank of its lowest preemptible running
     band, the GPUs that any one of its running jobs frees when it ends).
 
@@ -77,13 +81,29 @@ def room(fleet: list[WorkerState], left: dict[str, FreeCapacity]) -> dict[str, t
     first end, as a pass would start it, and holding it at the gate costs nothing.
     A job that needs more would wait there through several ends, and the gate's
     backfill rule (it knows no time limits) would keep shorter jobs off the GPUs
-    freed meanwhile, which the fleet scheduler backfills (docs/scheduling.md)."""
+    freed meanwhile, which the fleet scheduler backfills (docs/scheduling.md).
+    `assigned`: the jobs this pass assigned, per worker; they count as running there
+    (a pass woken by a job's end sees its worker idle, assigns one job and would
+    otherwise send nothing ahead), each as preemptible in its band (the safe side)."""
+    assigned = assigned or {}
     out: dict[str, tuple[int, int]] = {}
     for w in fleet:
-        gpus = [r.gpus for r in w.running]
+        new = assigned.get(w.name, [])
+        gpus = [r.gpus for r in w.running] + [int(j.req.ext_ml_gpu_count or 0) for j in new]
         if not gpus or min(gpus) < 1 or left[w.name].gpus != 0:
             continue
-        out[w.name] = (lowest_preemptible(w.running), min(gpus))
+        below = min([lowest_preemptible(w.running), *(rank(j.band) for j in new)])
+        out[w.name] = (below, min(gpus))
+    return out
+
+
+def assigned_jobs(decision: Decision, jobs: dict[str, PendingJob]) -> dict[str, list[PendingJob]]:
+    """The jobs a pass assigned, per worker."""
+    out: dict[str, list[PendingJob]] = {}
+    for a in decision.assignments:
+        job = jobs.get(a.task_id)
+        if job is not None:
+            out.setdefault(a.worker, []).append(job)
     return out
 
 
@@ -163,9 +183,12 @@ def ahead_shares(
     holds: Mapping[str, BudgetHold],
     sent: Collection[str],
     inflight: list[tuple[str, int]],
+    usage: Mapping[str, float] | None = None,
 ) -> AheadShares:
     """The queues' weighted shares and holdings (`AheadShares`). A queue's demand is what
-    it holds, has held ahead (`sent`) and has waiting."""
+    it holds, has held ahead (`sent`) and has waiting; with a fair-share half-life
+    (`usage`: decayed means of GPUs held) the shares are those fair order with memory
+    converges to (`decayed_split`)."""
     held = held_gpus(fleet, inflight)
     on: dict[str, set[str]] = {w.name: {r.queue for r in w.running} for w in fleet}
     ahead: dict[str, int] = {}
@@ -187,4 +210,7 @@ def ahead_shares(
     for queue, n in ahead.items():
         demand[queue] = demand.get(queue, 0.0) + n
     total = sum(w.caps.gpu_count for w in fleet if w.available)
-    return AheadShares(weighted_split(total, demand, weights), held, ahead, on, waiting)
+    if usage is None:
+        return AheadShares(weighted_split(total, demand, weights), held, ahead, on, waiting)
+    share = decayed_split(total, demand, weights, usage)
+    return AheadShares(share, held, ahead, on, waiting)

@@ -126,6 +126,9 @@ class Delivery:
         msg = record["msg"]
         rendezvous = state.rendezvous.get(task_id)
         headers = _headers(msg["headers"], token, victims, prefetch, rendezvous)
+        submitted = (record.get("meta") or {}).get("submitted_at")
+        if submitted:  # the gate's `ojs-started` event reports the wait from it
+            headers[h.SUBMITTED] = submitted
         name = worker_queue_name(self.prefix, worker)
         body = base64.b64decode(msg["body"])
         ctype = msg.get("content_type") or "application/json"

@@ -21,7 +21,7 @@ from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.allocator.sharing import FULL, after, place, share_milli, untouched
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
 from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.matching import FreeCapacity, Hints
 from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
 from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.spec.flux_rules import is_int
@@ -62,6 +62,7 @@ def pending_job(task_id: str, record: Mapping[str, Any], parse: Parse) -> Pendin
         band=band if band in BANDS else "",  # a foreign `ojs_band` is recomputed, not trusted
         gpu_affinity=affinity if affinity in _AFFINITY else "pack",
         labels=job_labels(headers.get("task"), headers),
+        hints=Hints.of(headers),  # ext_mlx_scheduling_spot_preference, _data_locality
         **gang_of(headers),
     )
 

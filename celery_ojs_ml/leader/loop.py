@@ -33,6 +33,8 @@ from celery_ojs_ml.wire.queues import intake_name
 
 from .budget_holds import BudgetHolds
 from .delivery import Delivery
+from .departed import Departed
+from .fair_usage import FairUsage
 from .gangs import record_members, rendezvous
 from .granting import Granting
 from .intake import Intake
@@ -66,6 +68,7 @@ def _policy(s: Any) -> Policy:
         locality_weight=s.locality_weight,
         budgets=found.budgets,
         weights=found.weights,
+        fair_share_half_life_s=found.fair_share_half_life_s,
     )
 
 
@@ -90,6 +93,8 @@ class FleetScheduler:
         """Something happened that no pass decided on yet: pass without waiting."""
         self._gap_s = _MIN_PASS_GAP_S
         self._last_pass = 0.0
+        self.last_pass_s: float | None = None
+        """How long the last pass took; the lock's renewals carry it (`ojs-ml metrics`)."""
         self._compose(s)
 
     def _compose(self, s: Any) -> None:
@@ -102,7 +107,9 @@ class FleetScheduler:
             parser, self.intake,
         )  # fmt: skip
         self.holds = BudgetHolds(self.policy)
+        self.fair_usage = FairUsage(self.store, self.policy)
         self.notes = Notes(self.reservations)
+        self.departed = Departed(s.deny_unsatisfiable, s.deny_after_s)
         self.events = Events(self.app, self.link)
         self.delivery = Delivery(s.store_prefix, self.book, self.ledger, self.holds, self.link)
         self.prefetch = Prefetch(
@@ -127,6 +134,11 @@ class FleetScheduler:
             self.lane.forget()
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def leading(self) -> bool:
+        """Whether this candidate holds the scheduler lock now."""
+        return self.leading_since is not None
 
     def stop(self) -> None:
         """Stop the loop and give the lock up."""
@@ -156,13 +168,17 @@ class FleetScheduler:
         self._resign()
 
     def _campaign(self) -> bool:
-        leading = self.book.lead(self.candidate, self.settings.leader_ttl_s)
+        leading = self.book.lead(
+            self.candidate, self.settings.leader_ttl_s, pass_s=self.last_pass_s
+        )
         if leading and self.leading_since is None:
             self.leading_since = time.time()
             self._dirty = True
             self.lane.forget()
             self.inputs.hello()  # RFC 27 hello: the first pass reads and decides everything
+            self.departed.hello()
             self.granting.hello()
+            self.fair_usage.hello()  # continue the last leader's decayed usage
             log.warning(
                 "ojs-ml: %s leads the fleet scheduler (hello: %d jobs waiting or assigned)",
                 self.candidate,
@@ -214,6 +230,7 @@ class FleetScheduler:
         else:
             decision = self.schedule_once()
         self._last_pass = time.monotonic()
+        self.last_pass_s = round(self._last_pass - began, 6)
         self.link.settle()  # after the pass: the admitted jobs are in the store already
         started = decision.assignments or decision.preemptions
         self._gap_s = 0.0 if started else min(_MIN_PASS_GAP_S, 2 * (self._last_pass - began))
@@ -243,18 +260,20 @@ class FleetScheduler:
         self.events.wanted = task_events_wanted(state.live)
         inputs.take_back(state)
         state.fleet = inputs.fleet(state.records, state.live, state.leases, state.now)
-        policy = inputs.pass_policy()
+        away = self.departed.observe(state.live, state.now)  # they count for DENY only
+        policy = self.departed.policy(inputs.pass_policy(), state.now)
         waiting = inputs.waiting(state)
         if self.policy.counts_assignments:
             state.inflight = self.holds.inflight(
                 state.records, state.leases, state.live, self.book, self.prefetch.sent
             )
+        state.usage = self.fair_usage.advance(state)
         tended = self.reservations.tend(state.now) if state.reserving else {}
         held = pools_of(tended, state.live, self.parser.check.parse, state.now)
         began = time.monotonic()
         state.decision = schedule(
-            waiting, state.fleet, state.now, policy, memo=self.memo, inflight=state.inflight,
-            pools=held,
+            waiting, [*state.fleet, *away], state.now, policy, memo=self.memo,
+            inflight=state.inflight, pools=held, usage=state.usage,
         )  # fmt: skip
         inputs.decided(time.monotonic() - began)
         state.jobs = {j.task_id: j for j in waiting}
@@ -281,7 +300,7 @@ class FleetScheduler:
             notes, first_seen = self.notes.changed(decision)
             self.delivery.deliver_all(state, plain, notes)  # the notes' writes ride its pipeline
             for d in decision.denials:
-                self._deny(d.task_id, state.records.get(d.task_id), d.note)
+                self._deny(d.task_id, state.records.get(d.task_id), self.departed.note(d))
             for p in decision.preemptions:
                 self.delivery.deliver(state, p.task_id, p.worker, p.victims)
             # A job waiting ahead at a gate holds no GPU: it counts in its queue's fair
@@ -294,6 +313,7 @@ class FleetScheduler:
     def _quiet(self, state: PassState) -> None:
         """A pass found nothing waiting or assigned: keep its fleet for the next arrival."""
         self.events.wanted = task_events_wanted(state.live)
+        self.departed.observe(state.live, state.now)
         lane = self.lane.open()
         fleet = None
         if lane or self.granting.granted:

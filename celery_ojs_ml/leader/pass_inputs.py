@@ -144,7 +144,7 @@ class PassInputs:
         """The full policy every `ojs_ml_full_pass_s` (or every `_FULL_PASS_SHARE` times
         the last full pass's cost, when longer: a full pass over a backlog of 10,000 jobs
         takes a good part of a second); between, only the first `ojs_ml_queue_depth`
-        jobs in order are decided (`scheduler.core._ordered`)."""
+        jobs in order are decided (`scheduler.fair.pass_order`)."""
         at = time.monotonic()
         every = max(self.settings.full_pass_s, _FULL_PASS_SHARE * self._full_cost_s)
         self.deciding_all = at - self._full_pass_at >= every

@@ -35,6 +35,8 @@ class PassState:
     """The waiting jobs the pass decides, by task id."""
     inflight: list[tuple[str, int]] = field(default_factory=list)
     """(queue, GPUs) assigned and not yet running (budgets, fair share)."""
+    usage: dict[str, float] | None = None
+    """Each queue's decayed mean of GPUs held (`leader.fair_usage`); None: no half-life."""
     decision: Decision = field(default_factory=Decision)
     rendezvous: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The `ojs_rendezvous` header of each gang rank the pass assigns."""

@@ -119,7 +119,8 @@ class Prefetch:
     def _send(self, state: PassState) -> dict[str, Note]:
         decision, fleet, jobs, now = state.decision, state.fleet, state.jobs, state.now
         waiting = self._held_ahead(state.records)
-        room = rules.room(fleet, rules.left_after(decision, fleet, jobs))
+        left = rules.left_after(decision, fleet, jobs)
+        room = rules.room(fleet, left, rules.assigned_jobs(decision, jobs))
         shares = self._ahead_shares(state)
         turning = self._turning(fleet, now)
         horizon = float(self.settings.max_hold_s) / 2
@@ -163,6 +164,7 @@ class Prefetch:
             self.holds.holds,
             self.sent,
             state.inflight,
+            state.usage,
         )
 
     def _moved_estimates(self, state: PassState, fresh: dict[str, Note]) -> dict[str, Note]:

@@ -48,9 +48,10 @@ class CandidateProcess:
 
     def __init__(self, path: str, candidate: str, level: int) -> None:
         ctx = multiprocessing.get_context("spawn")
+        self._leading = ctx.Value("b", 0, lock=False)
         self.proc = ctx.Process(
             target=child_main,
-            args=(path, candidate, os.getpid(), level),
+            args=(path, candidate, os.getpid(), level, self._leading),
             name="ojs-ml-scheduler",
             daemon=True,
         )
@@ -58,6 +59,11 @@ class CandidateProcess:
     def start(self) -> CandidateProcess:
         self.proc.start()
         return self
+
+    @property
+    def leading(self) -> bool:
+        """Whether the candidate holds the scheduler lock (mirrored within 0.5 s)."""
+        return bool(self._leading.value) and self.proc.is_alive()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM (it resigns the lock), then SIGKILL after `timeout_s`."""
@@ -85,8 +91,9 @@ def start_candidate(app: Any, candidate: str, *, thread: bool = False) -> Any:
     return loop
 
 
-def child_main(path: str, candidate: str, parent_pid: int, level: int) -> None:
-    """Entry point of the spawned process: import the app, lead when elected."""
+def child_main(path: str, candidate: str, parent_pid: int, level: int, leading: Any = None) -> None:
+    """Entry point of the spawned process: import the app, lead when elected; `leading`
+    (a shared byte) mirrors whether it leads, for the worker's `inspect stats`."""
     logging.basicConfig(level=level, format=_LOG_FORMAT, stream=sys.stderr)
     _die_with_parent()
     module, _, attr = path.partition(":")
@@ -96,7 +103,8 @@ def child_main(path: str, candidate: str, parent_pid: int, level: int) -> None:
     loop = FleetScheduler(app, candidate=candidate)
     signal.signal(signal.SIGTERM, lambda *_: loop.stop())
     signal.signal(signal.SIGINT, lambda *_: loop.stop())
-    threading.Thread(target=_watch_parent, args=(parent_pid, loop), daemon=True).start()
+    watch = threading.Thread(target=_watch_parent, args=(parent_pid, loop, leading), daemon=True)
+    watch.start()
     loop.run()
 
 
@@ -109,9 +117,12 @@ def _die_with_parent() -> None:
         log.debug("ojs-ml: no prctl; the scheduler watches its parent's pid instead")
 
 
-def _watch_parent(parent_pid: int, loop: Any) -> None:
-    """Stop the candidate once the worker that started it is gone."""
+def _watch_parent(parent_pid: int, loop: Any, leading: Any = None) -> None:
+    """Stop the candidate once the worker that started it is gone; meanwhile mirror
+    whether it leads into `leading`."""
     while os.getppid() == parent_pid:
+        if leading is not None:
+            leading.value = int(loop.leading)
         if loop.wait_stopped(0.5):
             return
     loop.stop()

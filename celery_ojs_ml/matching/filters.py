@@ -14,7 +14,9 @@ from enum import Enum
 from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.capabilities.devices import job_gpu
 from celery_ojs_ml.capabilities.model import GpuCapability
+from celery_ojs_ml.capabilities.runtimes import formats_of, runtimes_of
 from celery_ojs_ml.spec.catalogue import cc_tuple
 from celery_ojs_ml.spec.resources import AffinityRule, MLRequirements, gpu_share
 
@@ -131,7 +133,9 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
     count = req.ext_ml_gpu_count or 0
     if count == 0 or w.gpu is None or w.gpu_count == 0:
         return
-    g = w.gpu
+    # a host whose devices differ: the devices that can serve the job (capabilities.devices)
+    g = job_gpu(w, count, req.ext_ml_gpu_type, req.ext_ml_gpu_memory_gb,
+                req.ext_ml_gpu_compute_capability) or w.gpu  # fmt: skip
     if req.ext_ml_gpu_type and g.type != req.ext_ml_gpu_type:
         yield _never("gpu_type", req.ext_ml_gpu_type, g.type, "gpu_type {a} not in [{r}]")
     mem = req.ext_ml_gpu_memory_gb
@@ -147,7 +151,8 @@ def gpu(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iter
     # A share (`ojs_ml_gpu_share`) needs milli-GPU on one device, not a whole free GPU:
     # the allocator and the scheduler's fit check judge that per device.
     shared = gpu_share(req) is not None
-    yield from _counted("gpu_count", count, w.gpu_count, free.gpus if free and not shared else None)
+    free_gpus = min(free.gpus, g.count) if free and free.gpus is not None and not shared else None
+    yield from _counted("gpu_count", count, g.count, free_gpus)
 
 
 def _nvlink(count: int, g: GpuCapability) -> Iterator[Reason]:
@@ -278,6 +283,27 @@ def model_version(
         yield _never("model", f"{mid}@{ver}", None, "model {r} not loaded")
 
 
+def runtime(req: MLRequirements, w: Capabilities, free: FreeCapacity | None) -> Iterator[Reason]:
+    """§6, §11: the worker advertises the job's `ext_ml_runtime` (aliases such as `torch`
+    count, `capabilities.runtimes`). A worker that advertises no runtime at all has not
+    said (`runtimes` is optional in §11, and §11's hard-constraint list omits it): it is
+    not refused on this ground."""
+    want = req.ext_ml_runtime
+    if want is not None and (have := runtimes_of(w)) and want not in have:
+        yield _never("runtime", want, tuple(sorted(have)), "runtime {r} not in {a}")
+
+
+def model_format(
+    req: MLRequirements, w: Capabilities, free: FreeCapacity | None
+) -> Iterator[Reason]:
+    """§4: the worker loads the job's `ext_ml_model_format`: one of its runtimes does
+    (`RUNTIME_FORMATS`), a model of that format is loaded, or it declares the format. A
+    worker that names no runtime, format or loaded model's format has not said."""
+    want = req.ext_ml_model_format
+    if want is not None and (have := formats_of(w)) and want not in have:
+        yield _never("model_format", want, tuple(sorted(have)), "model_format {r} not in {a}")
+
+
 def reservation(
     req: MLRequirements, w: Capabilities, free: FreeCapacity | None
 ) -> Iterator[Reason]:
@@ -337,5 +363,7 @@ FILTERS: tuple[Filter, ...] = (
     affinity,
     anti_affinity,
     model_version,
+    runtime,
+    model_format,
     reservation,
 )

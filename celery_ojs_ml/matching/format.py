@@ -23,8 +23,13 @@ def pending_message(
     # Eligible means what `MatchResult.eligible` means (FITS or WAIT), so the
     # count agrees with `match --json`; WAIT workers still list their reasons.
     eligible = sum(1 for r in results if r.eligible)
-    # A worker counts once per distinct message, however many reasons repeat it.
-    counts = Counter(msg for r in results for msg in dict.fromkeys(x.message for x in r.reasons))
+    # A worker counts once per distinct message, however many reasons repeat it. Workers
+    # alike share one result object: each distinct one is formatted once.
+    same = Counter(map(id, results))
+    counts: Counter[str] = Counter()
+    for r in {id(r): r for r in results}.values():
+        for msg in dict.fromkeys(x.message for x in r.reasons):
+            counts[msg] += same[id(r)]
     head = f"{eligible}/{len(results)} {noun} eligible"
     if not counts:
         return head

@@ -2,8 +2,9 @@
 
 Key decision: hard constraints decide eligibility (FITS/WAIT/NEVER with every
 failed reason); soft ones only order eligible workers. The score is one plain
-number normalised to 0-100 from the preferred-rule weights (§7.2) plus a
-model-locality weight (§11.3); a job with no soft constraints scores 100
+number normalised to 0-100 from the preferred-rule weights (§7.2), a
+model-locality weight (§11.3) and the weights of the Extensions §7 placement
+hints (`matching.hints`); a job with no soft constraints scores 100
 everywhere, so the ranking falls back to the caller's tie-break.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching.filters import FILTERS, FreeCapacity, Reason, Verdict, rule_holds
+from celery_ojs_ml.matching.hints import NO_HINTS, Hints, hint_terms
 from celery_ojs_ml.spec.resources import MLRequirements
 
 DEFAULT_LOCALITY_WEIGHT = 50
@@ -72,8 +74,10 @@ def score(
     *,
     locality_weight: int = DEFAULT_LOCALITY_WEIGHT,
     running: Sequence[Mapping[str, str]] = (),
+    hints: Hints = NO_HINTS,
 ) -> float:
-    """Weighted share of satisfied soft constraints, 0-100 (§7.2, §7.3, §11.3).
+    """Weighted share of satisfied soft constraints, 0-100 (§7.2, §7.3, §11.3, and the
+    Extensions §7 `hints`: spot preference and data locality, `matching.hints`).
 
     A preferred anti-affinity rule (§7.3) is satisfied when it holds neither on
     the worker nor on any of its `running` jobs' labels.
@@ -94,6 +98,9 @@ def score(
     if req.ext_ml_model_id and locality_weight:
         total += locality_weight
         got += locality_weight if has_model(worker, req) else 0
+    for weight, held in hint_terms(hints, labels):
+        total += weight
+        got += weight if held else 0
     return round(100.0 * got / total, 2) if total else 100.0
 
 

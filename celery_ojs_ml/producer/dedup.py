@@ -30,7 +30,18 @@ OPTION = "ml_dedup"
 
 
 def install(app: Celery) -> None:
-    """Wrap every task that declares `ml_dedup`, now and when the app finalizes."""
+    """Wrap every task that declares `ml_dedup`: tasks built on the app's task class
+    as they are created (a producer may publish before the app finalizes), any
+    other one when the app finalizes."""
+    base = app.Task
+
+    class DedupTask(base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if getattr(self, OPTION, None) is not None and not getattr(self, "_ojs_dedup", False):
+                wrap(self)
+
+    app.Task = DedupTask
     app.on_after_finalize.connect(_wrap_all, weak=False)
     if app.finalized:
         _wrap_all(app)

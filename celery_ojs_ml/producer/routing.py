@@ -25,6 +25,7 @@ from kombu.serialization import dumps
 
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.matching.hints import Hints
 from celery_ojs_ml.scheduler.grants import grant_key, grantable
 from celery_ojs_ml.spec.classes import (
     band,
@@ -88,6 +89,7 @@ _MEMO_MAX = 1024
 _PROPERTIES = ("correlation_id", "reply_to", "priority", "delivery_mode")
 _GRANTED = threading.local()
 """The (plugin, holder, epoch) of the job this thread just routed under a grant."""
+_HINT_KEYS = frozenset({"ext_mlx_scheduling_spot_preference", "ext_mlx_scheduling_data_locality"})
 _WARNED: set[str] = set()
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,14 @@ def record_granted(
         granted_jobs.record(plugin.store, worker, headers["id"], msg)
     except Exception as exc:  # the job still goes out; only its crash-window record is lost
         log.warning("ojs-ml: could not record granted job %s: %s", headers["id"], exc)
+
+
+def _hinted(headers: Mapping[str, Any]) -> bool:
+    """Whether the job carries a placement hint that changes its score (§7): such a job
+    is placed by the fleet scheduler, never under a class's grant."""
+    if not _HINT_KEYS.intersection(headers):
+        return False
+    return bool(Hints.of(headers))
 
 
 class Publisher(Protocol):
@@ -247,6 +257,7 @@ class MLRouter:
             gang=h.GANG in headers,
             labels=HEADER_LABELS in headers,
             gpu_affinity=str(headers.get("ext_mlx_scheduling_gpu_affinity") or "pack"),
+            hints=_hinted(headers),
         ):
             return None
         with self.plugin.store_errors():

@@ -1,8 +1,9 @@
 """Submission of OJS documents: an envelope, a workflow or a Flux jobspec becomes Celery work.
 
 An OJS envelope becomes one Celery signature, a workflow a chain or a group of
-them, and a Flux jobspec a group of its tasks (a gang when it spreads one task
-per node over several nodes). Key decision: the signatures go out through the
+them (a batch with callbacks a chord: `producer.workflows`), and a Flux jobspec
+a group of its tasks (a gang when it spreads one task per node over several
+nodes). Key decision: the signatures go out through the
 app's ordinary publish path, so the router validates and routes them exactly
 as it does a task called from code.
 """
@@ -16,6 +17,8 @@ from celery import Celery
 from celery.canvas import Signature, chain, group
 
 from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.producer.workflows import batch_chord
+from celery_ojs_ml.producer.workflows import install as install_relays
 from celery_ojs_ml.spec.documents import parse_document
 from celery_ojs_ml.spec.envelope import Job, ParseOptions
 from celery_ojs_ml.spec.flux import FluxJob
@@ -42,15 +45,19 @@ class Submission:
         self.app = app
         self._parse_options = parse_options
         self._check_reservation = check_reservation
+        install_relays(app)  # a batch's callback relays, on producers and workers alike
 
     def signature_for(self, doc: Any) -> Signature:
         """A Celery signature for an OJS envelope, a workflow or a Flux jobspec."""
         parsed = parse_document(doc, self._parse_options())
         if isinstance(parsed, Workflow):
-            for step in parsed.steps:  # every step's reservation before any step goes out
+            for step in [*parsed.steps, *parsed.callbacks.values()]:  # all before any goes out
                 if step.requirements.ext_ml_reservation_id is not None:
                     self._check_reservation(step.requirements)
             sigs = [self._job_signature(step) for step in parsed.steps]
+            if parsed.callbacks:  # a batch: its callbacks around a chord (`producer.workflows`)
+                calls = {n: self._job_signature(j) for n, j in parsed.callbacks.items()}
+                return batch_chord(self.app, sigs, calls)
             return chain(*sigs) if parsed.workflow_type == "chain" else group(*sigs)
         if isinstance(parsed, FluxJob):
             return self._flux_group(parsed)
@@ -79,6 +86,10 @@ class Submission:
         headers: dict[str, Any] = dict(flux.slot_requirements())
         if flux.queue:
             headers[h.LOGICAL] = flux.queue
+        if flux.cwd is not None:  # applied around the run by the pool child (`child.run_env`)
+            headers[h.CWD] = flux.cwd
+        if flux.environment:
+            headers[h.ENVIRONMENT] = dict(flux.environment)
         args = list(flux.command[1:])
         if flux.spread and (flux.nodes or 0) > 1 and flux.task_count == flux.nodes:
             # node>slot over N nodes, one task per node: a gang (all ranks or none)

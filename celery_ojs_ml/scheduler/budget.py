@@ -47,8 +47,10 @@ class BudgetBook:
         for queue, gpus in held:
             self._add(queue, gpus)
 
-    def blocks(self, queue: str, gpus: int) -> str | None:
-        """Why a `gpus`-GPU job of `queue` must wait for its budget; None when it may start."""
+    def blocks(self, queue: str, gpus: int, jobs: int = 1) -> str | None:
+        """Why a `gpus`-GPU job of `queue` must wait for its budget; None when it may start.
+
+        `jobs`: how many GPU jobs it is (a gang's ranks, `gpus` their total)."""
         budget = self.budgets.get(queue)
         if budget is None or gpus <= 0:
             return None
@@ -57,10 +59,10 @@ class BudgetBook:
         if total is not None and use.gpus + gpus > total:
             need = f"; the job needs {gpus}" if use.gpus < total else ""
             return f"queue '{queue}' budget: {use.gpus}/{total} GPUs in use (max_total_gpus){need}"
-        jobs = budget.max_concurrent_gpu_jobs
-        if jobs is not None and use.jobs + 1 > jobs:
+        most = budget.max_concurrent_gpu_jobs
+        if most is not None and use.jobs + jobs > most:
             return (
-                f"queue '{queue}' budget: {use.jobs}/{jobs} GPU jobs running "
+                f"queue '{queue}' budget: {use.jobs}/{most} GPU jobs running "
                 "(max_concurrent_gpu_jobs)"
             )
         return None

@@ -7,6 +7,7 @@ reservation its capacity: backfill); **preempt** lower-band work (only when it f
 nowhere now); **reserve** the worker where it can start soonest, for the first
 `reservation_depth` jobs that get this far (Slurm's reservation plus backfill);
 **estimate** its start for everyone else (a shadow reservation backfill ignores).
+A gang is one job at its first rank's place, all ranks or none (`scheduler.gang`).
 With `Policy.queue_depth` a pass decides only the first that many jobs, with exactly
 the decisions of a full pass; the rest wait for a deeper one. The pass keeps nothing;
 `Planner` is the same pass one job at a time (for callers that stop early or time it).
@@ -23,10 +24,10 @@ from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
-from celery_ojs_ml.scheduler.fair import fair_order, held_gpus, holdings
+from celery_ojs_ml.scheduler.fair import holdings, pass_order
 from celery_ojs_ml.scheduler.fleet import FleetView, Memo
 from celery_ojs_ml.scheduler.frag import Kind, kind_of
-from celery_ojs_ml.scheduler.gang import Ganged, place_gangs
+from celery_ojs_ml.scheduler.gang import Gang, place_now, ready_gangs, start_at
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
     Annotation,
@@ -40,14 +41,13 @@ from celery_ojs_ml.scheduler.model import (
     RunningJob,
     WorkerState,
 )
-from celery_ojs_ml.scheduler.order import Ask, OrderKey, in_order
+from celery_ojs_ml.scheduler.order import Ask, OrderKey
 from celery_ojs_ml.scheduler.pools import (
     PREFIX,
-    Filled,
     ReservationPool,
-    fill,
     hold,
     open_queues,
+    with_pools,
 )
 from celery_ojs_ml.scheduler.preempt import Preemptor
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
@@ -66,75 +66,37 @@ def schedule(
     memo: Memo | None = None,
     inflight: Iterable[tuple[str, int]] = (),
     pools: Sequence[ReservationPool] = (),
+    usage: Mapping[str, float] | None = None,
 ) -> Decision:
     """Decide every pending job once, in fleet order (see module doc).
 
     `inflight`: (queue, GPUs) of jobs assigned but not yet among the fleet's
     running jobs; they count against their queue's budget (§10.3) and its
     fair share. `pools`: the dynamic reservations (§8.3); see `scheduler.pools`.
+    `usage`: each queue's decayed mean of GPUs held (`scheduler.usage`), counted
+    in fair order with `Policy.fair_share_half_life_s`.
     """
     jobs, raised = escalate_all(pending, now)
     held = {p.rid: p for p in pools}
     general = [j for j in jobs if j.req.ext_ml_reservation_id not in held and j.gang is None]
-    ranks = (j for j in jobs if j.gang is not None and j.not_before <= now)  # backed off: later
-    ganged = place_gangs(ranks, fleet, now)
-    fleet = ganged.fleet
+    gangs, waiting = ready_gangs((j for j in jobs if j.gang is not None), now)
+    general += [g.lead for g in gangs.values()]  # a gang takes its lead's place in order
     if held:
         fleet = open_queues(hold(fleet, held.values(), now))
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
     inflight = list(inflight)
-    ordered, orders = _ordered(general, fleet, inflight, policy)
+    ordered, orders = pass_order(general, fleet, inflight, policy, usage)
     planner = Planner(fleet, now, policy, pending=ordered, memo=memo, inflight=inflight)
     planner.orders = orders
     planner.escalated = raised
     for job in ordered[: policy.queue_depth]:
         if planner.settled(job):
             break  # this job and every one after it can only wait (`Policy.settle`)
-        planner.decide(job)
-    return _merged(planner.decision(), ganged, jobs, held, fleet, now)
-
-
-def _merged(
-    decision: Decision,
-    ganged: Ganged,
-    jobs: Sequence[PendingJob],
-    held: Mapping[str, ReservationPool],
-    fleet: Sequence[WorkerState],
-    now: float,
-) -> Decision:
-    """The general jobs' decision with the gangs placed first and the jobs inside the
-    reservations (§8.3) placed in their pools."""
-    inside = [
-        j
-        for j in jobs
-        if j.req.ext_ml_reservation_id in held and j.gang is None and j.not_before <= now
-    ]
-    filled = fill(inside, held, fleet) if held else Filled([], {}, [])
-    if not (ganged.assignments or ganged.annotations or held):
-        return decision
-    return replace(
-        decision,
-        assignments=(*ganged.assignments, *filled.assignments, *decision.assignments),
-        annotations={**decision.annotations, **filled.annotations, **ganged.annotations},
-        denials=(*decision.denials, *filled.denials),
-    )
-
-
-def _ordered(
-    jobs: list[PendingJob],
-    fleet: Sequence[WorkerState],
-    inflight: list[tuple[str, int]],
-    policy: Policy,
-) -> tuple[list[PendingJob], dict[str, OrderKey]]:
-    """The waiting jobs in the order a pass decides them, with their fair-share keys:
-    fleet order, or fair order with weights (`scheduler.fair`)."""
-    ordered = in_order(jobs)
-    orders: dict[str, OrderKey] = {}
-    if policy.weights:  # fair sharing between queues (scheduler.fair)
-        fair = fair_order(ordered, held_gpus(fleet, inflight), dict(policy.weights))
-        ordered = [job for job, _ in fair]
-        orders = {job.task_id: key for job, key in fair}
-    return ordered, orders
+        if job.gang is None:
+            planner.decide(job)
+        else:
+            planner.decide_gang(gangs[job.gang])
+    return with_pools(planner.decision(), waiting, jobs, held, fleet, now)
 
 
 def names_worker(req: MLRequirements) -> bool:
@@ -222,6 +184,34 @@ class Planner:
         ):
             self._reserve_or_estimate(ask)
 
+    def decide_gang(self, gang: Gang) -> None:
+        """Start every rank of `gang` now, or reserve (or estimate) when all can start
+        (`scheduler.gang`); over its queue's budget it waits, holding nothing (§10.3)."""
+        order = self.orders.get(gang.lead.task_id, gang.lead.order)
+        asks = [Ask.of(j, self.now, order) for j in gang.ranks]
+        over = self.budgets.blocks(gang.lead.queue, gang.gpus, len(asks))
+        found = place_now(self.view, asks) if over is None else over
+        if not isinstance(found, str):
+            for ask, slot in found:
+                group = self.view.groups[slot.group]
+                self._assign(ask, slot, self.view.score(ask, group, slot.shape()))
+            return
+        start = None if over is not None else start_at(self.view, self.estimator, asks)
+        at, where = start if start is not None else (None, [])
+        firm = start is not None and self._reserved < self.policy.reservation_depth
+        self._reserved += firm
+        slots = {a.job.task_id: s for a, s in where}
+        for ask in asks:
+            held = slots.get(ask.job.task_id) if firm else None
+            if held is not None and at is not None:
+                self._hold(ask, held, at, "reserve")
+                self._reservations.append(Reservation(ask.job.task_id, held.name, at))
+                self._planned.append(self._reservations[-1])
+                self.budgets.take(ask.job.queue, _gpus(ask.job))
+            waiting = _Waiting(ask, at, None if held is None else held.name)
+            waiting.reason = over or f"gang {gang.gid}: {found}"
+            self._waiting.append(waiting)
+
     def settled(self, job: PendingJob) -> bool:
         """Whether `job` and every job after it in order can only wait (`Policy.settle`).
 
@@ -271,7 +261,7 @@ class Planner:
         slot = plan.slot
         if not self.view.claim(ask, slot, sum_of(running_vec(v) for v in plan.victims)):
             return False
-        slot.preempt(list(plan.victims))
+        self.view.preempt(slot, list(plan.victims))
         self.estimator.refresh(slot)
         victims = tuple(v.task_id for v in plan.victims)
         self._preemptions.append(Preemption(ask.job.task_id, slot.name, victims))
@@ -346,7 +336,7 @@ class Planner:
         for w in self._waiting:
             reason = w.reason or annotator.reason(w.ask)
             if w.deny:
-                denials.append(Denial(w.ask.job.task_id, reason))
+                denials.append(Denial(w.ask.job.task_id, reason, unplaceable=True))
                 continue
             if w.note:
                 reason = f"{reason}; {w.note}"

@@ -9,7 +9,9 @@ queue furthest below its weighted share, and the GPUs held converge to the
 weights (weighted max-min; with one resource that is dominant resource
 fairness). A queue without a weight has weight 1; a queue that asks for less
 than its share leaves the rest to the others. The order is the order of the
-whole pass, so reservations and backfill follow it.
+whole pass, so reservations and backfill follow it. With a half-life
+(`ojs_ml_fair_share_half_life_s`) each queue's count starts from its decayed
+mean of GPUs held as well (`scheduler.usage`, Slurm's fair-share factor).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 
-from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
+from celery_ojs_ml.scheduler.model import PendingJob, Policy, WorkerState
 from celery_ojs_ml.scheduler.order import OrderKey, in_order, order_key
 
 
@@ -47,23 +49,48 @@ def held_gpus(
     return out
 
 
+def pass_order(
+    jobs: list[PendingJob],
+    fleet: Sequence[WorkerState],
+    inflight: list[tuple[str, int]],
+    policy: Policy,
+    usage: Mapping[str, float] | None = None,
+) -> tuple[list[PendingJob], dict[str, OrderKey]]:
+    """The waiting jobs in the order a pass decides them, with their fair-share keys:
+    fleet order, or fair order with weights; `usage`: each queue's decayed mean of GPUs
+    held (`Usage.mean_gpus`), with a fair-share half-life."""
+    ordered = in_order(jobs)
+    orders: dict[str, OrderKey] = {}
+    if policy.weights:
+        base = usage if policy.fair_share_half_life_s > 0 else None
+        fair = fair_order(ordered, held_gpus(fleet, inflight), dict(policy.weights), base)
+        ordered = [job for job, _ in fair]
+        orders = {job.task_id: key for job, key in fair}
+    return ordered, orders
+
+
 def fair_order(
-    jobs: Iterable[PendingJob], held: Mapping[str, int], weights: Mapping[str, float]
+    jobs: Iterable[PendingJob],
+    held: Mapping[str, int],
+    weights: Mapping[str, float],
+    base: Mapping[str, float] | None = None,
 ) -> list[tuple[PendingJob, OrderKey]]:
-    """Jobs in fair order with the order key each gets (see module doc)."""
+    """Jobs in fair order with the order key each gets (see module doc); `base`: GPUs
+    each queue counts on top of those it holds (its decayed mean, `scheduler.usage`)."""
     out: list[tuple[PendingJob, OrderKey]] = []
+    start = {q: held.get(q, 0) + (base or {}).get(q, 0.0) for q in {*held, *(base or {})}}
     for _band, same in groupby(in_order(jobs), key=lambda j: order_key(j)[0]):
-        out.extend(_interleave(list(same), held, weights, len(out)))
+        out.extend(_interleave(list(same), start, weights, len(out)))
     return out
 
 
 def _interleave(
-    jobs: list[PendingJob], held: Mapping[str, int], weights: Mapping[str, float], start: int
+    jobs: list[PendingJob], held: Mapping[str, float], weights: Mapping[str, float], start: int
 ) -> list[tuple[PendingJob, OrderKey]]:
     queues: dict[str, list[PendingJob]] = {}
     for job in jobs:
         queues.setdefault(job.queue, []).append(job)
-    taken = {q: float(held.get(q, 0)) for q in queues}
+    taken = {q: float(held.get(q, 0.0)) for q in queues}
     heap = [(_share(q, taken, weights), order_key(js[0]), q) for q, js in queues.items()]
     heapq.heapify(heap)
     pos = {q: 0 for q in queues}
@@ -74,7 +101,8 @@ def _interleave(
         pos[q] += 1
         band = order_key(job)[0]
         out.append((job, (band, start + len(out), 0.0, job.task_id)))
-        taken[q] += max(1, int(job.req.ext_ml_gpu_count or 0))  # a CPU job counts as one
+        # a CPU job counts as one; a gang's lead stands for all its ranks
+        taken[q] += max(1, int(job.req.ext_ml_gpu_count or 0)) * job.gang_size
         if pos[q] < len(queues[q]):
             heapq.heappush(heap, (_share(q, taken, weights), order_key(queues[q][pos[q]]), q))
     return out
@@ -105,6 +133,33 @@ def weighted_split(
             out[q] = float(demand[q])
         active -= capped
     return out
+
+
+def decayed_split(
+    total: float,
+    demand: Mapping[str, float],
+    weights: Mapping[str, float],
+    base: Mapping[str, float],
+) -> dict[str, float]:
+    """`weighted_split` where each queue already counts `base` GPUs (its decayed mean,
+    `scheduler.usage`): the GPUs each queue holds once fair order with memory has
+    handed out `total`, each `min(demand, max(0, level * weight - base))` at the one
+    level that hands out `min(total, sum of demand)`; found by bisection."""
+    want = min(float(total), sum(max(0.0, d) for d in demand.values()))
+
+    def given(level: float) -> dict[str, float]:
+        return {
+            q: min(max(0.0, d), max(0.0, level * max(weights.get(q, 1.0), 1e-9) - base.get(q, 0.0)))
+            for q, d in demand.items()
+        }
+
+    low, high = 0.0, 1.0
+    while sum(given(high).values()) < want - 1e-9 and high < 1e18:
+        high *= 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(given(mid).values()) < want else (low, mid)
+    return given(high)
 
 
 @dataclass

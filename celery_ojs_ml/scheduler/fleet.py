@@ -19,7 +19,8 @@ from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
-from celery_ojs_ml.scheduler.model import PendingJob, Policy, WorkerState
+from celery_ojs_ml.scheduler.drains import Drains
+from celery_ojs_ml.scheduler.model import PendingJob, Policy, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, placement
 from celery_ojs_ml.scheduler.slot import Hold, Shape, Slot
@@ -71,7 +72,17 @@ class Memo:
 class Group:
     """Workers with equal capabilities and queues, bucketed by free shape."""
 
-    __slots__ = ("away", "buckets", "caps", "caps_key", "idx", "members", "queues", "reserved")
+    __slots__ = (
+        "away",
+        "buckets",
+        "caps",
+        "caps_key",
+        "drains",
+        "idx",
+        "members",
+        "queues",
+        "reserved",
+    )
 
     def __init__(self, idx: int, caps: Capabilities, caps_key: str, queues: frozenset[str]):
         self.idx = idx
@@ -79,6 +90,7 @@ class Group:
         self.caps_key = caps_key
         self.queues = queues
         self.buckets: dict[Shape, dict[int, None]] = {}
+        self.drains: dict[Shape, Drains] = {}  # built when a busy bucket is first searched
         self.reserved: dict[int, None] = {}
         self.away: list[int] = []
         self.members: list[int] = []  # available workers, in fleet order
@@ -165,7 +177,9 @@ class FleetView:
         if hit is None:
             running = tuple(dict(k) for k in shape[1])
             weight = self.policy.locality_weight
-            soft = soft_score(job.req, group.caps, locality_weight=weight, running=running)
+            soft = soft_score(
+                job.req, group.caps, locality_weight=weight, running=running, hints=job.hints
+            )
             milli = share_milli(job.req, group.caps)
             hit = self._scores[key] = placement(
                 ask.want,
@@ -202,21 +216,32 @@ class FleetView:
     def _candidates(self, ask: Ask, group: Group) -> list[tuple[Slot, PlacementScore]]:
         out = []
         for shape, members in group.buckets.items():
-            if self._fits(ask, group, shape):
-                slots = (self.slots[i] for i in members)
-                # idle workers all drain now: the first one is as good as any
-                slot = next(slots) if shape[2] else max(slots, key=lambda s: aligned(s, ask.end))
+            if self.fits(ask, group, shape):
+                slot = self._pick(group, shape, members, ask.end)
                 out.append((slot, self.score(ask, group, shape)))
         for i in group.reserved:
             slot = self.slots[i]
             if slot.closed:
                 continue
             shape = slot.shape()
-            if self._fits(ask, group, shape) and self.may_backfill(ask, slot):
+            if self.fits(ask, group, shape) and self.may_backfill(ask, slot):
                 out.append((slot, self.score(ask, group, shape)))
         return out
 
-    def _fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
+    def _pick(
+        self, group: Group, shape: Shape, members: dict[int, None], end: float | None
+    ) -> Slot:
+        """The bucket's worker with the highest `aligned`, the first on a tie."""
+        if shape[2]:  # idle workers all drain now: the first one is as good as any
+            return self.slots[next(iter(members))]
+        drains = group.drains.get(shape)
+        if drains is None:
+            drains = Drains((i, self.slots[i].drain_at()) for i in members)
+            group.drains[shape] = drains
+        return self.slots[drains.pick(math.inf if end is None else end)]
+
+    def fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
+        """Whether `ask` fits any worker of `group` in `shape` now (backfill aside)."""
         if not covers(shape[0], ask.want) or (ask.dedicated and not shape[2]):
             return False
         if shape[4] is not None and wants_link(ask.job.req) and ask.want[0] > shape[4]:
@@ -286,6 +311,12 @@ class FleetView:
         self._rebucket(slot)
         return True
 
+    def preempt(self, slot: Slot, victims: list[RunningJob]) -> None:
+        """Count `victims` on `slot` as gone after their grace period (its drain time moves)."""
+        self._unbucket(slot)
+        slot.preempt(victims)
+        self._rebucket(slot)
+
     def hold(self, slot: Slot, hold: Hold) -> None:
         """Put a hold on `slot`; a firm one takes it out of its shape bucket."""
         self._unbucket(slot)
@@ -299,8 +330,12 @@ class FleetView:
         shape = slot.shape()
         members = group.buckets[shape]
         del members[slot.idx]
+        drains = group.drains.get(shape)
+        if drains is not None:
+            drains.remove(slot.idx)
         if not members:
             del group.buckets[shape]
+            group.drains.pop(shape, None)
 
     def _rebucket(self, slot: Slot) -> None:
         group = self.groups[slot.group]
@@ -309,7 +344,11 @@ class FleetView:
         if slot.reserved:
             group.reserved[slot.idx] = None
         else:
-            group.buckets.setdefault(slot.shape(), {})[slot.idx] = None
+            shape = slot.shape()
+            group.buckets.setdefault(shape, {})[slot.idx] = None
+            drains = group.drains.get(shape)
+            if drains is not None:
+                drains.add(slot.idx, slot.drain_at())
 
 
 def aligned(slot: Slot, end: float | None) -> float:

@@ -28,15 +28,19 @@ def grant_key(queue: str, band: str, class_id: str) -> str:
     return f"{queue}|{band}|{class_id}"
 
 
-def grantable(req: MLRequirements, *, gang: bool, labels: bool, gpu_affinity: str) -> bool:
+def grantable(
+    req: MLRequirements, *, gang: bool, labels: bool, gpu_affinity: str, hints: bool = False
+) -> bool:
     """Whether a job of these requirements is placed by its class and free capacity alone.
 
-    No gang, reservation, affinity or anti-affinity rules, declared labels or
-    escalation, and `pack` GPU affinity.
+    No gang, reservation, affinity or anti-affinity rules, declared labels,
+    escalation or placement hints (spot preference, data locality), and `pack`
+    GPU affinity.
     """
     return not (
         gang
         or labels
+        or hints
         or gpu_affinity != "pack"
         or req.ext_ml_reservation_id is not None
         or req.ext_ml_affinity is not None
@@ -52,6 +56,7 @@ def job_grantable(job: PendingJob) -> bool:
         gang=job.gang is not None,
         labels=bool(set(job.labels) - AUTO_LABELS),
         gpu_affinity=job.gpu_affinity,
+        hints=bool(job.hints),
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from celery_ojs_ml.allocator.model import Demand, preemptible_of, rank
 from celery_ojs_ml.allocator.sharing import FULL
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.matching import NO_HINTS, FreeCapacity, Hints
 from celery_ojs_ml.scheduler.budget import Budget
 from celery_ojs_ml.spec.classes import band as band_of
 from celery_ojs_ml.spec.classes import class_id
@@ -63,6 +63,9 @@ class PendingJob:
     """Earliest start, scheduler clock: a job given or taken back sits out a back-off. It
     keeps its place in order and takes a reservation meanwhile, so no later job that would
     delay it backfills onto the capacity it is waiting for."""
+    hints: Hints = NO_HINTS
+    """Its OJS ML Extensions §7 placement hints (spot preference, data locality): soft
+    terms of the placement score (`matching.hints`), never a reason to wait."""
     order: tuple[int, int, float, str] = field(init=False, repr=False, compare=False)
     """Its place in fleet order (`scheduler.order.order_key`), computed once: a pass over a
     backlog of thousands sorts it on every pass."""
@@ -234,6 +237,9 @@ class Policy:
     """Queue GPU budgets (§10.3) from `ojs_ml_queue_policies`' `ml_limits`."""
     weights: tuple[tuple[str, float], ...] = ()
     """Fair-share weights by queue (`ojs_ml_fair_share`); empty: plain fleet order."""
+    fair_share_half_life_s: float = 0.0
+    """`ojs_ml_fair_share_half_life_s`: with weights, fair order also counts each queue's
+    GPU use decayed with this half-life (`scheduler.usage`); 0: no memory."""
     queue_depth: int | None = None
     """Decide only the first this many waiting jobs in (fair) order; None: all of them.
     The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""
@@ -252,6 +258,7 @@ class Policy:
             "allow_on_demand_preemption",
             "locality_weight",
             "deny_unsatisfiable",
+            "fair_share_half_life_s",
         )
         found: dict[str, Any] = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
         policies = getattr(settings, "queue_policies", None) or {}
@@ -328,6 +335,9 @@ class Denial:
 
     task_id: str
     note: str
+    unplaceable: bool = False
+    """True: no known worker could ever run it (`Policy.deny_unsatisfiable`); False: it
+    can never run inside its reservation (§8.3, `scheduler.pools`)."""
 
 
 @dataclass(frozen=True, slots=True)

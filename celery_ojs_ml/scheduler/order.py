@@ -42,14 +42,14 @@ class Ask:
     end: float | None
     """When it would end if started now; None: no known time limit."""
     soft: Hashable
-    """What its soft score depends on besides the worker (preferred rules, model)."""
+    """What its soft score depends on besides the worker (preferred rules, model, hints)."""
 
     @classmethod
     def of(cls, job: PendingJob, now: float, order: OrderKey | None = None) -> Ask:
         """Derive once what every step of the pass needs (`order`: a fair-share order)."""
         req = job.req
         preferred = req.ext_ml_affinity.preferred if req.ext_ml_affinity else ()
-        soft = (preferred, req.ext_ml_model_id, req.ext_ml_model_version)
+        soft = (preferred, req.ext_ml_model_id, req.ext_ml_model_version, job.hints)
         end = None if job.time_limit_s is None else now + job.time_limit_s
         return cls(job, order or order_key(job), demand_of(req), end, soft)
 

@@ -23,6 +23,7 @@ from celery_ojs_ml.matching.filters import fmt
 from celery_ojs_ml.scheduler.model import (
     Annotation,
     Assignment,
+    Decision,
     Denial,
     PendingJob,
     RunningJob,
@@ -247,4 +248,30 @@ def _ended(rid: str) -> str:
     return (
         f"reservation {rid!r} ended (released or expired) before the job started; OJS ML §8.3 "
         "forbids running it outside its reservation: reserve again and resubmit"
+    )
+
+
+def with_pools(
+    decision: Decision,
+    gangs: Mapping[str, Annotation],
+    jobs: Sequence[PendingJob],
+    held: Mapping[str, ReservationPool],
+    fleet: Sequence[WorkerState],
+    now: float,
+) -> Decision:
+    """A pass's decision with the jobs inside the reservations placed in their pools, and
+    the reasons of the gangs the pass did not decide (`scheduler.gang`)."""
+    inside = [
+        j
+        for j in jobs
+        if j.req.ext_ml_reservation_id in held and j.gang is None and j.not_before <= now
+    ]
+    filled = fill(inside, held, fleet) if held else Filled([], {}, [])
+    if not (gangs or held):
+        return decision
+    return replace(
+        decision,
+        assignments=(*filled.assignments, *decision.assignments),
+        annotations={**decision.annotations, **filled.annotations, **gangs},
+        denials=(*decision.denials, *filled.denials),
     )

@@ -14,8 +14,9 @@ Key decisions:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.allocator.policy import minimal_set
@@ -84,7 +85,10 @@ class Preemptor:
 
     Workers are visited by a lower bound of their plan's cost (the lowest band
     and the least progress among their candidates), so the search stops as
-    soon as no unvisited worker can beat the best plan found. On a worker, victims
+    soon as no unvisited worker can beat the best plan found. The search of
+    each kind of job resumes where the last one of its kind stopped, since a
+    pass only takes capacity away: a worker visited before is planned again
+    only when it changed and its old plan is the cheapest known. On a worker, victims
     are taken in `victim_order` until the job fits; then each, the last taken first,
     is spared again if the job still fits without it, so the set is minimal.
     """
@@ -95,6 +99,7 @@ class Preemptor:
         self._hopeless: set[tuple[object, ...]] = set()
         self._candidates: dict[tuple[int, str], list[RunningJob]] = {}
         self._orders: dict[tuple[object, ...], list[tuple[Cost, int]]] = {}
+        self._searches: dict[tuple[object, ...], _Search] = {}
 
     def plan(self, ask: Ask) -> Plan | None:
         """The plan that loses least work, or None (remembered for alike jobs this pass)."""
@@ -104,16 +109,39 @@ class Preemptor:
         key = (job.class_key, job.queue, job.band, job.gpu_affinity)
         if key in self._hopeless:
             return None
-        best: Plan | None = None
-        for bound, idx in self._order(key, ask):
+        search = self._searches.get(key)
+        if search is None:
+            search = self._searches[key] = _Search(self._order(key, ask))
+        best = self._best_seen(ask, search)
+        order, found = search.order, search.found
+        while search.next < len(order):
+            bound, idx = order[search.next]
             if best is not None and bound >= best.cost:
                 break
-            found = self._on(ask, self.view.slots[idx])
-            if found is not None and (best is None or found.cost < best.cost):
-                best = found
+            search.next += 1
+            plan = self._on(ask, self.view.slots[idx])
+            if plan is not None:
+                heapq.heappush(found, (plan.cost, idx, plan.slot.version, plan))
+                best = plan if best is None or plan.cost < best.cost else best
         if best is None:
             self._hopeless.add(key)  # a pass only takes capacity away: alike jobs fail too
         return best
+
+    def _best_seen(self, ask: Ask, search: _Search) -> Plan | None:
+        """The cheapest plan on the workers visited so far, planned again where they changed
+        (a change only takes capacity away: the plan costs more, or there is none)."""
+        heap = search.found
+        while heap:
+            _, idx, version, plan = heap[0]
+            slot = self.view.slots[idx]
+            if version == slot.version:
+                return plan
+            again = self._on(ask, slot)
+            if again is None:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (again.cost, idx, slot.version, again))
+        return None
 
     def _order(self, key: tuple[object, ...], ask: Ask) -> list[tuple[Cost, int]]:
         """Eligible workers with candidates, by the lower bound of their plan's cost."""
@@ -168,6 +196,16 @@ class Preemptor:
         labels = (*kept, *slot.added_labels)
         found = match(ask.job.req, slot.state.caps, to_free(free, labels), locality_weight=0)
         return found.verdict is Verdict.FITS
+
+
+@dataclass(slots=True)
+class _Search:
+    """One kind of job's search of the fleet in a pass: workers by the lower bound of
+    their plan's cost, how many were visited, and the plans found on them (a heap)."""
+
+    order: list[tuple[Cost, int]]
+    next: int = 0
+    found: list[tuple[Cost, int, int, Plan]] = field(default_factory=list)
 
 
 def _freed(free: Vec, victims: Sequence[RunningJob]) -> Vec:

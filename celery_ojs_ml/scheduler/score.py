@@ -3,10 +3,10 @@
 Key decision: one plain number, 0-100, higher is better, shared by the scheduler and
 `celery-ojs-ml explain`. It blends packing (how little the placement fragments the
 fleet) with matching's soft-constraint score (preferred affinity §7.2, model locality
-§11.3), by `Policy.affinity_weight`. Packing follows FGD (Weng et al., ATC'23), per GPU
-(`scheduler.frag`): the placement that grows the expected fragment least wins, best
-fit on GPUs breaks ties, then fleet order (`score_placement`). The weights come from
-the trace replay (docs/scheduling.md).
+§11.3, the Extensions §7 spot and data-locality hints), by `Policy.affinity_weight`.
+Packing follows FGD (Weng et al., ATC'23), per GPU (`scheduler.frag`): the placement
+that grows the expected fragment least wins, best fit on GPUs breaks ties, then fleet
+order (`score_placement`). The weights come from the trace replay (docs/scheduling.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from celery_ojs_ml.allocator.sharing import FULL, after
 from celery_ojs_ml.capabilities import Capabilities
-from celery_ojs_ml.matching import FreeCapacity
+from celery_ojs_ml.matching import NO_HINTS, FreeCapacity, Hints
 from celery_ojs_ml.matching import score as soft_score
 from celery_ojs_ml.scheduler.frag import Kind, Mix, growth, with_sizes
 from celery_ojs_ml.scheduler.model import DEFAULT_POLICY, GpuAffinity, Policy
@@ -116,6 +116,7 @@ def score_placement(
     workload: Workload,
     gpu_affinity: GpuAffinity = "pack",
     policy: Policy = DEFAULT_POLICY,
+    hints: Hints = NO_HINTS,
 ) -> PlacementScore:
     """The score of placing `req` on a worker with `caps` and `free` now.
 
@@ -130,7 +131,8 @@ def score_placement(
     `dedicated` is placed like `pack` and takes the whole worker.
     """
     running = free.running_labels
-    affinity = soft_score(req, caps, locality_weight=policy.locality_weight, running=running)
+    weight = policy.locality_weight
+    affinity = soft_score(req, caps, locality_weight=weight, running=running, hints=hints)
     return placement(
         demand_of(req), from_free(free), totals_of(caps), affinity, workload, gpu_affinity, policy
     )

@@ -69,6 +69,8 @@ class Slot:
 
     __slots__ = (
         "_drain",
+        "_firm",
+        "_held_whole",
         "_shape",
         "_timeline",
         "added_labels",
@@ -118,6 +120,8 @@ class Slot:
         self._timeline: Timeline | None = None
         self._shape: Shape | None = None
         self._drain: float | None = None
+        self._firm = 0  # reservations among `holds`
+        self._held_whole = any(r.exclusive for r in state.running)
 
     def _capacity(self) -> Vec:
         """Everything the worker can hand out once idle."""
@@ -137,12 +141,12 @@ class Slot:
     @property
     def closed(self) -> bool:
         """Whether a dedicated job has the whole worker: nothing else may start there."""
-        return self.exclusive or any(r.exclusive for r in self.state.running)
+        return self.exclusive or self._held_whole
 
     @property
     def reserved(self) -> bool:
         """Whether a reservation lies on it (then backfill is checked against its timeline)."""
-        return any(h.kind == "reserve" for h in self.holds)
+        return self._firm > 0
 
     def shape(self) -> Shape:
         """The equivalence key of this worker's free state (see `Shape`)."""
@@ -184,6 +188,7 @@ class Slot:
     def hold(self, hold: Hold) -> None:
         """Add a reservation, a preemption's claim or a start estimate."""
         self.holds.append(hold)
+        self._firm += hold.kind == "reserve"
         self._changed()
 
     def preempt(self, victims: list[RunningJob]) -> None:

@@ -23,8 +23,8 @@ from celery_ojs_ml.scheduler.model import PendingJob
 def always_decided(job: PendingJob) -> bool:
     """Whether every pass decides `job`, wherever it is in order.
 
-    Gang ranks and jobs of a reservation (the core places them apart from fleet
-    order), and jobs that may escalate.
+    Gang ranks (a gang is decided only with every rank in the pass), jobs of a
+    reservation (the core places them apart from fleet order), and jobs that may escalate.
     """
     req = job.req
     return (

@@ -2,8 +2,9 @@
 
 Key decision: only hard constraints enter the class (OJS ML §11: GPU type,
 count, VRAM, compute capability, TPU, node selector, required affinity, plus
-host minimums, multi-GPU interconnect, pinned model version, reservation and
-a GPU share `ojs_ml_gpu_share`), so jobs that any worker would treat identically
+host minimums, multi-GPU interconnect, pinned model version, runtime and model
+format (§6, §4), reservation and a GPU share `ojs_ml_gpu_share`), so jobs that any
+worker would treat identically
 share one queue. Soft constraints (preferred affinity, model locality) never split a class.
 """
 
@@ -29,6 +30,8 @@ _SCALARS = (
     "ext_ml_shm_size_gb",
     "ext_ml_cpu_cores",
     "ext_ml_reservation_id",
+    "ext_ml_runtime",
+    "ext_ml_model_format",
     "ojs_ml_gpu_share",
 )
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from celery_ojs_ml.errors import SpecError, Violation
+from celery_ojs_ml.spec.flux_env import environment_of
 from celery_ojs_ml.spec.flux_rules import is_int, rule_violations
 from celery_ojs_ml.spec.flux_schema import schema_violations
 from celery_ojs_ml.spec.flux_wording import DOCUMENT, LANGUAGE, OVERVIEW, show
@@ -65,6 +66,10 @@ class FluxJob:
     """`tasks[0].command`; a string command becomes a one-element list."""
     attributes: dict[str, Any]
     """The `attributes` mapping as given, `user` included and untouched."""
+    cwd: str | None = None
+    """`attributes.system.cwd`: the task's working directory on the worker (`spec.flux_env`)."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """`attributes.system.environment`, values as text; set for the task's run only."""
 
     def slot_requirements(self) -> dict[str, Any]:
         """Flat OJS ML v0.3 requirement keys for one slot."""
@@ -167,4 +172,6 @@ def _to_job(doc: dict[str, Any]) -> FluxJob:
         queue=system.get("queue"),
         command=[command] if isinstance(command, str) else list(command),
         attributes=doc["attributes"],
+        cwd=system.get("cwd"),
+        environment=environment_of(system.get("environment") or {}),
     )

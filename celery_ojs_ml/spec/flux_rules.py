@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 from celery_ojs_ml.errors import Violation
+from celery_ojs_ml.spec.flux_env import cwd_violations, environment_violations
 from celery_ojs_ml.spec.flux_wording import (
     ATTRIBUTES,
     CORE_EXAMPLE,
@@ -177,7 +178,12 @@ def _check_attributes(doc: Mapping[str, Any]) -> list[Violation]:
     system = attrs["system"]
     if not isinstance(system, Mapping):
         return []
-    return [*_check_duration(system), *_check_queue(system)]
+    return [
+        *_check_duration(system),
+        *_check_queue(system),
+        *cwd_violations(system),  # spec.flux_env: applied by the pool child
+        *environment_violations(system),
+    ]
 
 
 def _check_duration(system: Mapping[str, Any]) -> list[Violation]:

@@ -63,20 +63,12 @@ def _check_uri(path: str, uri: str, c: Collector) -> str:
 
 def _check_reach(path: str, uri: str, c: Collector) -> None:
     """§12.1: no arbitrary file system access, and no internal hosts, unless a prefix allows."""
-    problem = uris.artifact_reach_problem(uri, c.prefixes)
+    problem = uris.reach_problem(uri, c.prefixes)
     if problem is None:
         return
-    if c.prefixes:
-        fix = f"use a URI under one of {list(c.prefixes)}, or add its prefix to {_PREFIXES_SETTING}"
-    else:
-        parts = urlsplit(uri)
-        local = parts.scheme == "file"
-        kind = "an object-store URI" if local else "a public storage URI"
-        grant = "file:///data/artifacts/" if local else f"{parts.scheme}://{parts.netloc}/"
-        fix = (
-            f'use {kind}, e.g. {_URI_EXAMPLE}, or allow it with {_PREFIXES_SETTING} = ["{grant}"] '
-            "(every artifact URI must then be under a listed prefix)"
-        )
+    fix = uris.reach_fix(
+        uri, c.prefixes, _PREFIXES_SETTING, _URI_EXAMPLE, "file:///data/artifacts/", "artifact URI"
+    )
     c.fail(path, f"{uri!r} {problem}", "§12.1", fix)
 
 

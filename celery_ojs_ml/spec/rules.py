@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from celery_ojs_ml.spec.bounds import Bounds
 
 _GPU_DETAIL = ("ext_ml_gpu_type", "ext_ml_gpu_memory_gb", "ext_ml_gpu_compute_capability")
-_CHECKSUM_HEX = {
+CHECKSUM_HEX_DIGITS = {
     "md5": 32,
     "sha1": 40,
     "sha224": 56,
@@ -39,8 +39,10 @@ _CHECKSUM_HEX = {
     "sha512": 128,
     "blake2b": 128,
     "blake2s": 64,
-    "blake3": 64,
 }
+"""`ext_ml_model_checksum` algorithms (OJS ML §4) and their hex digest lengths: what every
+worker can compute with Python's hashlib (`child.model_files`)."""
+_NOT_COMPUTABLE = {"blake3": "Python's hashlib has no blake3, so no worker could verify it"}
 
 
 def _v(attr: str, problem: str, fix: str, path: str | None = None) -> Violation:
@@ -187,11 +189,15 @@ def _checksum(m: MLRequirements, b: Bounds) -> Iterator[Violation]:
     if m.ext_ml_model_checksum is None:
         return
     algorithm, _, digest = m.ext_ml_model_checksum.partition(":")
-    expected = _CHECKSUM_HEX.get(algorithm)
+    expected = CHECKSUM_HEX_DIGITS.get(algorithm)
     if expected is None:
+        why = _NOT_COMPUTABLE.get(algorithm)
+        known = ", ".join(sorted(CHECKSUM_HEX_DIGITS))
         yield _v(
             "ext_ml_model_checksum",
-            f"uses unknown algorithm {algorithm!r}; known: {', '.join(sorted(_CHECKSUM_HEX))}",
+            f"uses algorithm {algorithm!r}, which is not supported ({why}); supported: {known}"
+            if why
+            else f"uses unknown algorithm {algorithm!r}; supported: {known}",
             'write "algorithm:hexdigest", e.g. "sha256:<64 hex digits>"',
         )
     elif len(digest) != expected:
@@ -211,7 +217,8 @@ def _uris(m: MLRequirements, b: Bounds) -> Iterator[Violation]:
                 "ext_ml_checkpoint_storage_uri",
                 problem.text,
                 problem.section,
-                "use an allowed scheme, no '..', and a trailing slash, e.g. "
+                problem.fix
+                or "use an allowed scheme, no '..', and a trailing slash, e.g. "
                 '"s3://bucket/checkpoints/run-1/"',
             )
     if m.ext_ml_model_registry_uri is not None:

@@ -3,9 +3,10 @@
 Key decision: the checks are an allow-list (scheme, then optional prefixes)
 plus a deny-list of the classic attacks: path traversal (also percent-encoded),
 embedded credentials, control characters, and SSRF to loopback, link-local or
-private address literals (OJS ML §15.2-§15.3). For artifact URIs (OJS ML
-Extensions §12.1) an operator's prefix is the only way to reach a local file or
-an internal host: a prefix is an explicit, reviewed grant, a job is not.
+private address literals (OJS ML §15.2-§15.3). For artifact and checkpoint
+storage URIs (OJS ML Extensions §12.1, OJS ML §15.3) one reach rule applies
+(`reach_problem`): an operator's prefix is the only way to reach a local file or
+an internal host, since a prefix is an explicit, reviewed grant and a job is not.
 """
 
 from __future__ import annotations
@@ -25,12 +26,22 @@ class UriProblem:
 
     text: str
     section: str
+    fix: str = ""
+    """How to fix it, when the problem knows better than its caller's general advice."""
 
 
 def uri_problems(
     uri: str, schemes: Iterable[str], section: str = "OJS ML §15.2"
 ) -> Iterator[UriProblem]:
     """Why `uri` is unsafe or not allowed; empty when it is fine."""
+    return _form_problems(uri, schemes, section, ssrf=True)
+
+
+def _form_problems(
+    uri: str, schemes: Iterable[str], section: str, *, ssrf: bool
+) -> Iterator[UriProblem]:
+    """Scheme, control characters, traversal, credentials, a remote `file:` host, and
+    with `ssrf` an internal host."""
     allowed = sorted(schemes)
     if _CONTROL.search(uri):
         yield UriProblem("contains whitespace or control characters", section)
@@ -44,33 +55,57 @@ def uri_problems(
         yield UriProblem("contains a '..' path segment (path traversal)", section)
     if "@" in parts.netloc:
         yield UriProblem("embeds credentials in the authority part", section)
-    if internal_host(parts.hostname):
+    if ssrf and internal_host(parts.hostname):
         yield UriProblem(f"points at an internal address {parts.hostname!r} (SSRF)", section)
     if parts.scheme == "file" and parts.netloc not in ("", "localhost"):
         yield UriProblem("is a file URI with a remote host; use file:///absolute/path/", section)
 
 
+CHECKPOINT_PREFIXES_SETTING = "app.conf.ojs_ml_checkpoint_prefixes"
+_CHECKPOINT_EXAMPLE = '"s3://bucket/checkpoints/run-1/"'
+_CHECKPOINT_LOCAL = "file:///mnt/nfs/checkpoints/"
+_CHECKPOINT_SECTION = "OJS ML §15.3, Extensions §12.1"
+
+
 def checkpoint_problems(
-    uri: str, schemes: Iterable[str], prefixes: Iterable[str] = ()
+    uri: str, schemes: Iterable[str], prefixes: Sequence[str] = ()
 ) -> Iterator[UriProblem]:
-    """Why `uri` cannot be a checkpoint storage prefix (OJS ML §9.4, §15.3)."""
-    problems = list(uri_problems(uri, schemes, "OJS ML §15.3"))
+    """Why `uri` cannot be a checkpoint storage prefix (OJS ML §9.4, §15.3, Extensions §12.1)."""
+    problems = list(storage_problems(uri, schemes, prefixes))
     yield from problems
-    if problems:
-        return
-    if not uri.endswith("/"):
+    if not problems and not uri.endswith("/"):
         yield UriProblem("must end with '/' to name a directory prefix", "OJS ML §9.4")
-    allowed = tuple(prefixes)
-    if allowed and not uri.startswith(allowed):
-        yield UriProblem(f"is outside the allowed prefixes {list(allowed)}", "OJS ML §15.3")
 
 
-def artifact_reach_problem(uri: str, prefixes: Sequence[str]) -> str | None:
-    """Why `uri` reaches where artifact URIs may not (OJS ML Extensions §12.1); None if fine.
+def storage_problems(
+    uri: str, schemes: Iterable[str], prefixes: Sequence[str] = ()
+) -> Iterator[UriProblem]:
+    """Why checkpoint storage may not be opened at `uri`: the form rules, then the reach
+    rule of artifact URIs (`reach_problem`) with the checkpoint prefixes."""
+    problems = list(_form_problems(uri, schemes, "OJS ML §15.3", ssrf=False))
+    yield from problems
+    reach = None if problems else reach_problem(uri, prefixes)
+    if reach is not None and prefixes:
+        reach = f"is outside the allowed prefixes {list(prefixes)}"
+    if reach is not None:
+        fix = reach_fix(
+            uri,
+            prefixes,
+            CHECKPOINT_PREFIXES_SETTING,
+            _CHECKPOINT_EXAMPLE,
+            _CHECKPOINT_LOCAL,
+            "checkpoint storage URI",
+        )
+        yield UriProblem(f"{uri!r} {reach}", _CHECKPOINT_SECTION, fix)
+
+
+def reach_problem(uri: str, prefixes: Sequence[str]) -> str | None:
+    """Why `uri` reaches where artifact and checkpoint URIs may not (OJS ML Extensions
+    §12.1: no arbitrary file system access); None if fine.
 
     With `prefixes`, every URI must lie under one of them, and one that does
     may name a local file or an internal host. Without, `file://` URIs and
-    internal hosts are refused: a job must not pick what a worker reads.
+    internal hosts are refused: a job must not pick what a worker reads or writes.
     """
     if prefixes:
         return None if any(under_prefix(uri, p) for p in prefixes) else _NOT_UNDER
@@ -80,6 +115,22 @@ def artifact_reach_problem(uri: str, prefixes: Sequence[str]) -> str | None:
     if internal_host(parts.hostname):
         return f"points at an internal address {parts.hostname!r} (SSRF)"
     return None
+
+
+def reach_fix(
+    uri: str, prefixes: Sequence[str], setting: str, example: str, local: str, noun: str
+) -> str:
+    """The fix for a `reach_problem`: a URI under the prefixes, or the grant that allows it."""
+    if prefixes:
+        return f"use a URI under one of {list(prefixes)}, or add its prefix to {setting}"
+    parts = urlsplit(uri)
+    is_file = parts.scheme == "file"
+    kind = "an object-store URI" if is_file else "a public storage URI"
+    grant = local if is_file else f"{parts.scheme}://{parts.netloc}/"
+    return (
+        f'use {kind}, e.g. {example}, or allow it with {setting} = ["{grant}"] '
+        f"(every {noun} must then be under a listed prefix)"
+    )
 
 
 _NOT_UNDER = "is not under an allowed prefix"

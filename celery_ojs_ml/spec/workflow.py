@@ -14,6 +14,7 @@ from typing import Any
 
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.spec.envelope import DEFAULT_OPTIONS, Job, ParseOptions, parse_job
+from celery_ojs_ml.spec.workflow_callbacks import parse_callbacks
 
 STEP_KEYS = {"chain": "steps", "group": "jobs", "batch": "jobs"}
 _SECTION = "OJS ML §12"
@@ -28,7 +29,8 @@ class Workflow:
     id: str | None = None
     name: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
-    callbacks: dict[str, Any] = field(default_factory=dict)
+    callbacks: dict[str, Job] = field(default_factory=dict)
+    """A batch's callbacks by name (`spec.workflow_callbacks`), each a job like any step."""
 
 
 def is_workflow(doc: Any) -> bool:
@@ -66,15 +68,15 @@ def parse_workflow(doc: Mapping[str, Any], options: ParseOptions = DEFAULT_OPTIO
             steps.append(_step(step, shared, options))
         except SpecError as exc:
             violations += exc.prefixed(f"{key}[{i}]").violations
+    callbacks: dict[str, Job] = {}
+    try:
+        callbacks = parse_callbacks(doc, str(kind), lambda cb: _step(cb, shared, options))
+    except SpecError as exc:
+        violations += exc.violations
     if violations:
         raise SpecError(violations)
     return Workflow(
-        str(kind),
-        steps,
-        doc.get("id"),
-        doc.get("name"),
-        shared.get("meta", {}),
-        dict(doc.get("callbacks") or {}),
+        str(kind), steps, doc.get("id"), doc.get("name"), shared.get("meta", {}), callbacks
     )
 
 

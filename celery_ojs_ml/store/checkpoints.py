@@ -10,6 +10,8 @@ Layout (prefix `ojs`, job id `<job>`):
     ojs:{ml}:ckpt:<job>:last     string  §9.2 `last_checkpoint` JSON
     ojs:{ml}:ckpt:<job>:history  list    committed checkpoints, oldest first (<= max_count)
     ojs:{ml}:ckpt:<job>:expired  list    evicted checkpoints whose payload is still to delete
+    ojs:{ml}:ckpt:<job>:final    string  `{"sequence", "result"}` once the job committed its
+                                         final checkpoint (`save(final=True)`): it is done
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Keys:
     last: str
     history: str
     expired: str
+    final: str
 
     @classmethod
     def of(cls, store: OJSStore, job_id: str) -> Keys:
@@ -38,11 +41,12 @@ class Keys:
             last=store.key("ckpt", job_id, "last"),
             history=store.key("ckpt", job_id, "history"),
             expired=store.key("ckpt", job_id, "expired"),
+            final=store.key("ckpt", job_id, "final"),
         )
 
     def all(self) -> tuple[str, ...]:
         """Every key, for deletion."""
-        return (self.seq, self.last, self.history, self.expired)
+        return (self.seq, self.last, self.history, self.expired, self.final)
 
 
 def last_raw(store: OJSStore, job_id: str) -> Any:
@@ -60,6 +64,16 @@ def last_checkpoint_of(store: OJSStore, task_id: str) -> dict[str, Any] | None:
     """The committed last checkpoint of a job as a JSON-able dict (the §9.2 record that
     travels in `ojs_last_checkpoint`), or None."""
     raw = last_raw(store, task_id)
+    if raw is None:
+        return None
+    record = json.loads(raw)
+    return record if isinstance(record, dict) else None
+
+
+def final_of(store: OJSStore, job_id: str) -> dict[str, Any] | None:
+    """`{"sequence", "result"}` of the job's final checkpoint, or None: a job that has
+    one committed is done, and a copy of it delivered again does not run its body."""
+    raw = store.client.get(Keys.of(store, job_id).final)
     if raw is None:
         return None
     record = json.loads(raw)

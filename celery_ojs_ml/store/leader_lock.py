@@ -1,7 +1,9 @@
 """The scheduler lock: which candidate leads the fleet (DESIGN decision 9).
 
 A plain `SET NX PX` renewed by its holder only, as celery-redbeat's lock: another
-candidate takes over when it expires. The value is `{id, since}` JSON.
+candidate takes over when it expires. The value is `{id, since}` JSON, plus `pass_s`
+(the holder's last scheduling pass, in seconds) from its first renewal on, which
+`celery ojs-ml metrics` exports.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ class LeaderLock:
         self._r = store.client
         self._key = store.key("scheduler", "leader")
 
-    def lead(self, candidate: str, ttl_s: float) -> bool:
-        """Take or renew the scheduler lock; True while `candidate` holds it."""
+    def lead(self, candidate: str, ttl_s: float, *, pass_s: float | None = None) -> bool:
+        """Take or renew the scheduler lock; True while `candidate` holds it. `pass_s`:
+        written into the record by a renewal, in the same round trip."""
         ms = max(1, round(ttl_s * 1000))
         mine = self.leader()
         if mine is not None and mine.get("id") == candidate:
@@ -32,7 +35,10 @@ class LeaderLock:
                 if _text(pipe.get(self._key) or b"") != value:
                     return False
                 pipe.multi()
-                pipe.pexpire(self._key, ms)
+                if pass_s is None:
+                    pipe.pexpire(self._key, ms)
+                else:
+                    pipe.set(self._key, json.dumps({**mine, "pass_s": pass_s}), px=ms)
                 return True
 
             return bool(transaction(self._r, self._key, txn))

@@ -134,7 +134,7 @@ class LeaseBook:
         return bool(self._r.exists(self._taken_key(task_id, token)))
 
     def _taken_key(self, task_id: str, token: str) -> str:
-        return self.store.key("lease-taken", task_id, token)
+        return taken_back_key(self.store, task_id, token)
 
     def get(self, task_id: str) -> dict[str, Any] | None:
         """The lease of a job, or None."""
@@ -348,3 +348,8 @@ class LeaseBook:
                     continue
         log.warning("ojs-ml: lease %s is contended; giving up this round", task_id)
         return None
+
+
+def taken_back_key(store: OJSStore, task_id: str, token: str) -> str:
+    """The key of `mark_taken_back`: a checkpoint commit of that copy is refused by it."""
+    return store.key("lease-taken", task_id, token)

@@ -146,9 +146,10 @@ class PendingBook:
 
     # -- the scheduler lock (`leader_lock`) --------------------------------------------------
 
-    def lead(self, candidate: str, ttl_s: float) -> bool:
-        """Take or renew the scheduler lock; True while `candidate` holds it."""
-        return self.lock.lead(candidate, ttl_s)
+    def lead(self, candidate: str, ttl_s: float, *, pass_s: float | None = None) -> bool:
+        """Take or renew the scheduler lock; True while `candidate` holds it (`pass_s`:
+        the holder's last pass, kept in the record by a renewal)."""
+        return self.lock.lead(candidate, ttl_s, pass_s=pass_s)
 
     def resign(self, candidate: str) -> None:
         """Give the lock up at once (a clean shutdown), if `candidate` holds it."""

@@ -124,6 +124,10 @@ class PendingAdmission:
     def _admitted(
         self, jobs: list[tuple[str, dict[str, Any], dict[str, Any]]], fresh: list[bool], now: str
     ) -> None:
+        """Tell `on_admit` of each job admitted, once the store's replicas hold them
+        (`OJSStore.replicated`): the caller then settles their intake messages."""
+        if any(fresh):
+            self.store.replicated()
         for (task_id, meta, msg), ok in zip(jobs, fresh, strict=True):
             if ok:  # the leader's next pass needs no read of what it just wrote
                 self._msgs[(task_id, now)] = msg

@@ -103,7 +103,9 @@ class PendingAssigner:
             raise RuntimeError("assign_many(before=...) needs Lua on the store")
         if replies is None:  # no Lua (or it failed): one by one, `assign` finds out for good
             self.annotate(notes or {})
-            return [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
+            return self._replicated(
+                [self.assign(t, w, now=now, token=k, push=p) for t, w, k, p in items]
+            )
         tokens: list[str | None] = []
         for (task_id, worker, token, push), ok in zip(items, replies, strict=False):
             if isinstance(ok, _NO_SCRIPTING):  # the server does not hold the script: it loads it
@@ -114,6 +116,13 @@ class PendingAssigner:
         for reply in replies[len(items) :]:
             if isinstance(reply, Exception):
                 raise reply
+        return self._replicated(tokens)
+
+    def _replicated(self, tokens: list[str | None]) -> list[str | None]:
+        """`tokens`, once the store's replicas hold the assignments (`OJSStore.replicated`):
+        a gate must not start an assignment that a failover could undo."""
+        if any(tokens):
+            self.store.replicated()
         return tokens
 
     def _assign_pipelined(

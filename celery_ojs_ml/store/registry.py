@@ -2,7 +2,8 @@
 
 Every key lives under `<prefix>:{ml}:` (the `{ml}` hash tag keeps all keys in one Redis
 Cluster slot, so multi-key transactions are legal there); redis-py only, so the same
-code runs on a server, a cluster and fakeredis in the embedded demo. Layout:
+code runs on one server (alone or behind Sentinel, `store.connect`) and on fakeredis in
+the embedded demo. Layout:
 `<kind>:<name>` (JSON, PX TTL; kind worker, pending or held) and `index:<kind>` (zset
 name -> expiry). The class registry of earlier versions (`class:*`) is only read.
 
@@ -22,11 +23,14 @@ from typing import Any
 import redis
 
 from celery_ojs_ml.spec.classes import BANDS
+from celery_ojs_ml.store import connect
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 
 _INDEX_GRACE_MS = 60_000
+_SHORT_LOG_S = 60.0
+"""How often `OJSStore.replicated` logs that its replicas fell short, while they do."""
 NO_SCRIPTING = (redis.ResponseError, ImportError, NotImplementedError)
 """What calling a Lua script raises on a store that runs none (fakeredis without lupa)."""
 _INDEXED = """
@@ -42,9 +46,6 @@ end
 return out
 """
 """`OJSStore.indexed`: an index's members and their values in one round trip."""
-_CONNECT_TIMEOUT_S = 5.0
-_SOCKET_TIMEOUT_S = 10.0
-"""A store that stops answering fails the call instead of hanging a producer or a timer."""
 
 
 def _dumps(value: Any) -> str:
@@ -81,20 +82,75 @@ class OJSStore:
     """Typed access to the celery-ojs-ml records in one Redis database."""
 
     def __init__(
-        self, client: redis.Redis, *, prefix: str = "ojs", clock: Clock = time.time
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str = "ojs",
+        clock: Clock = time.time,
+        replicas: int = 0,
+        replica_wait_ms: int = 100,
     ) -> None:
         self._r = client
         self._base = f"{prefix}:{{ml}}"
         self._clock = clock
         self._indexed: Any = client.register_script(_INDEXED)
+        self.replicas, self.replica_wait_ms = replicas, replica_wait_ms
+        """`replicated`: how many replicas to wait for, and for how long at most."""
+        self._short_logged = -_SHORT_LOG_S
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "ojs", clock: Clock = time.time) -> OJSStore:
-        """A store on a new client for `url`, e.g. `redis://127.0.0.1:6379/0`."""
-        client = redis.Redis.from_url(
-            url, socket_connect_timeout=_CONNECT_TIMEOUT_S, socket_timeout=_SOCKET_TIMEOUT_S
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "ojs",
+        clock: Clock = time.time,
+        options: Mapping[str, Any] | None = None,
+        origin: str = connect.SETTING,
+        replicas: int = 0,
+        replica_wait_ms: int = 100,
+    ) -> OJSStore:
+        """A store on a new client for `url`, e.g. `redis://127.0.0.1:6379/0` or
+        `sentinel://10.0.0.5:26379;sentinel://10.0.0.6:26379/0` with `options`
+        `{"master_name": "mymaster"}` (`store.connect`; `origin`: the setting the
+        options come from, named in errors)."""
+        client = connect.connect(connect.Source(url, dict(options or {}), origin))
+        return cls(
+            client,
+            prefix=prefix,
+            clock=clock,
+            replicas=replicas,
+            replica_wait_ms=replica_wait_ms,
         )
-        return cls(client, prefix=prefix, clock=clock)
+
+    def replicated(self) -> int | None:
+        """Wait until `replicas` replicas hold every write made so far, at most
+        `replica_wait_ms` (Redis WAIT, after a write on the same connection so that
+        it covers every client's writes); the number that confirmed, None when off.
+
+        Called after the writes a failover must not undo (an admission before its
+        intake message is settled, an assignment before its delivery, a checkpoint
+        commit); short of `replicas` it logs and goes on (docs/operations.md)."""
+        if self.replicas <= 0:
+            return None
+        try:
+            with self._r.pipeline(transaction=False) as pipe:
+                pipe.incrby(self.key("replicated"), 1)
+                pipe.execute_command("WAIT", self.replicas, self.replica_wait_ms)  # type: ignore[no-untyped-call]
+                acked = int(pipe.execute()[1])
+        except redis.ResponseError as exc:  # no permission, or no WAIT (fakeredis)
+            log.warning("ojs-ml: could not wait for the store's replicas: %s", exc)
+            return None
+        if acked < self.replicas and time.monotonic() >= self._short_logged + _SHORT_LOG_S:
+            self._short_logged = time.monotonic()  # once a minute while it lasts
+            log.warning(
+                "ojs-ml: %d of %d store replicas confirmed the last writes within %d ms; "
+                "a failover now could undo them",
+                acked,
+                self.replicas,
+                self.replica_wait_ms,
+            )
+        return acked
 
     @property
     def client(self) -> redis.Redis:

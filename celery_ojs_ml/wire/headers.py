@@ -20,6 +20,12 @@ LOGICAL = "ojs_logical_queue"
 """The job's logical queue (its policy, budgets and defaults)."""
 LABELS = "ojs_labels"
 """A job's own labels (OJS ML §7.3), named by other jobs' affinity rules."""
+CWD = "ojs_cwd"
+"""A Flux jobspec's `attributes.system.cwd`: the pool child runs the task there
+(`child.run_env`); the gate refuses one that is not a directory (`worker.run_env`)."""
+ENVIRONMENT = "ojs_environment"
+"""A Flux jobspec's `attributes.system.environment`, set in the pool child for the run
+only; checked again by the gate (`spec.flux_env`)."""
 
 # -- set by the router at publish ---------------------------------------------------------
 CLASS = "ojs_class"
@@ -44,6 +50,9 @@ PREFETCH = "ojs_prefetch"
 """An assignment sent ahead of the capacity it waits for."""
 RENDEZVOUS = "ojs_rendezvous"
 """A gang placement's rendezvous (address, port, ranks)."""
+SUBMITTED = "ojs_submitted_at"
+"""When the job was admitted (its pending record's `submitted_at`): the gate's
+`ojs-started` event reports the wait from it."""
 
 # -- set by the worker's gate for its pool child ------------------------------------------
 DEVICES = "ojs_devices"
@@ -51,6 +60,14 @@ NODE = "ojs_node"
 PIN = "ojs_pin"
 LEASE = "ojs_lease"
 SHARE = "ojs_gpu_share"
+TPU_CHIPS = "ojs_tpu_chips"
+"""The TPU chip indices of the run (`worker.tpu_chips`); the child pins them (`child.tpu_env`)."""
+BATCH = "ojs_batch"
+"""The other requests a batched call carries (`wire.batch`), on its first request."""
+CPUS = "ojs_cpus"
+"""The CPU ids the run's pool child is pinned to (`worker.cpu_cores`, `child.limits`)."""
+MEMORY_LIMIT = "ojs_memory_limit"
+"""The `ext_ml_memory_gb` the child bounds the run's address space by (`child.limits`)."""
 
 # -- carried across the plugin's own re-publishes -----------------------------------------
 CRASHES = "ojs_crashes"
@@ -61,13 +78,13 @@ LAST_CHECKPOINT = "ojs_last_checkpoint"
 MSG = "ojs_msg"
 WAKE = "ojs_wake"
 
-GATE = (DEVICES, NODE, PIN, LEASE, SHARE)
+GATE = (DEVICES, NODE, PIN, LEASE, SHARE, TPU_CHIPS, BATCH, CPUS, MEMORY_LIMIT)
 """What the gate computes for each run; never taken from a message."""
-DELIVERY = (ASSIGN, VICTIMS, PREFETCH, RENDEZVOUS, GRANT, GRANT_AT)
+DELIVERY = (ASSIGN, VICTIMS, PREFETCH, RENDEZVOUS, GRANT, GRANT_AT, SUBMITTED)
 """Set for one delivery; a new publish is delivered afresh."""
 REPUBLISH_DROPS = frozenset(
-    (DEVICES, NODE, PIN, LEASE, ASSIGN, VICTIMS, PREFETCH, PENDING, CLASS, BAND)
-)
+    (DEVICES, NODE, PIN, LEASE, ASSIGN, VICTIMS, PREFETCH, PENDING, CLASS, BAND, TPU_CHIPS)
+).union((BATCH, CPUS, MEMORY_LIMIT))
 """Left out of a job's record (lease, dead letter, re-publish): set again for each run. A
 lease keeps `ojs_grant` (the leader's grant wait reads it) and `ojs_rendezvous` (a gang
 rank's crash handling reads it); a new publish drops both (`DELIVERY`), and the gate

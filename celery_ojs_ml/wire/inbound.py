@@ -7,7 +7,9 @@ message, so nothing here trusts them (`InboundCheck.requirements`).
 
 Key decision: parsed requirements are memoised in a bounded LRU keyed by the
 `ext_ml_*` headers. The key's length is the size of those headers, so the size
-bound costs nothing on the hot path.
+bound costs nothing on the hot path. The `ext_mlx_*` attributes are checked
+again too, with the app's artifact allow-lists (OJS ML Extensions §12.1), and
+their verdicts memoised the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from celery_ojs_ml.errors import OJSMLError
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.spec.bounds import Bounds
 from celery_ojs_ml.spec.classes import class_id
+from celery_ojs_ml.spec.mlx import PREFIX as MLX_PREFIX
+from celery_ojs_ml.spec.mlx import validate_mlx
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.resources import PROJECT_KEYS, MLRequirements
 from celery_ojs_ml.wire import headers as h
@@ -44,6 +48,8 @@ class InboundCheck:
         self.bounds = bounds
         self.max_header_bytes = max_header_bytes
         self._cache: LRU[str, tuple[MLRequirements, str]] = LRU(_CACHE_SIZE)
+        self._mlx_ok: LRU[str, bool] = LRU(_CACHE_SIZE)
+        """`ext_mlx_*` header sets that passed `check_mlx`."""
 
     def requirements(self, headers: dict[str, Any]) -> MLRequirements | None:
         """The job's requirements, None for a plain task; raises `BadMessage`.
@@ -62,6 +68,7 @@ class InboundCheck:
             raise BadMessage(f"header {HEADER_CLASS} must be a class id string, got {cid!r}")
         _check_counters(headers)
         _check_checkpoint(headers, self.max_header_bytes)
+        self.check_mlx(headers)
         req, own = self._parse(headers)
         if own != cid:
             raise BadMessage(
@@ -70,6 +77,26 @@ class InboundCheck:
                 "task.apply_async(headers={...}) on an app with OJSML(app)"
             )
         return req
+
+    def check_mlx(self, headers: Mapping[str, Any]) -> None:
+        """Raise `BadMessage` unless the `ext_mlx_*` headers pass the validator with the
+        app's artifact allow-lists: a producer that skips the router cannot send a
+        `file://` or internal-host artifact URI (OJS ML Extensions §12.1)."""
+        attrs = {
+            k: v for k, v in headers.items() if isinstance(k, str) and k.startswith(MLX_PREFIX)
+        }
+        if not attrs:
+            return
+        key = repr(sorted(attrs.items()))
+        if self._mlx_ok.get(key):
+            return
+        b = self.bounds
+        try:
+            validate_mlx(attrs, uri_schemes=b.artifact_schemes, uri_prefixes=b.artifact_prefixes)
+        except OJSMLError as exc:
+            raise BadMessage(f"invalid ext_mlx_* attributes: {exc}") from None
+        if len(key) <= self.max_header_bytes:
+            self._mlx_ok[key] = True
 
     def parse(self, headers: Mapping[str, Any]) -> MLRequirements:
         """The requirements of trusted headers (a lease's), memoised; raises `BadMessage`."""

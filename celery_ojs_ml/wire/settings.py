@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.bounds import Bounds
@@ -34,8 +34,21 @@ class OJSMLSettings(BaseModel):
     """Redis URL of the plugin's store; defaults to the broker URL when that is Redis."""
     store_prefix: str = "ojs"
     """Key prefix in the store."""
+    store_transport_options: dict[str, Any] = Field(default_factory=dict)
+    """Connection options of the store (`store.connect`): for a `sentinel://` URL
+    `master_name` (required), `sentinel_kwargs`, ..., as kombu's `broker_transport_options`."""
+    store_wait_replicas: int = Field(default=0, ge=0, le=16)
+    """After the writes a failover must not undo, wait until this many replicas hold them
+    (Redis WAIT, at most `store_wait_timeout_ms`); 0: do not wait."""
+    store_wait_timeout_ms: int = Field(default=100, ge=1, le=5000)
+    """Longest `store_wait_replicas` waits; short of them the plugin logs and goes on."""
     deny_unsatisfiable: bool = False
-    """Raise at publish when no live worker could ever run the job (RFC 27 DENY)."""
+    """RFC 27 DENY: raise at publish when no live worker could ever run the job, and deny
+    (fail and dead-letter) a waiting job once every worker that could run it has been gone
+    `deny_after_s`."""
+    deny_after_s: float = Field(default=300.0, gt=0, le=7 * 86400.0)
+    """With `deny_unsatisfiable`: how long the workers that could run a waiting job may be
+    gone (left the fleet) before the scheduler denies it; one back within it saves the job."""
     heartbeat_s: float = Field(default=2.0, gt=0)
     """Seconds between worker advertisements; the TTL is three heartbeats."""
     subscription_poll_s: float = Field(default=0.5, gt=0)
@@ -47,6 +60,12 @@ class OJSMLSettings(BaseModel):
     children that initialised CUDA ("cuda"), every child ("always"), or none ("never")."""
     require_pinning: bool = False
     """Refuse to start a GPU worker whose pool cannot pin devices (anything but prefork)."""
+    pin_cpus: bool = True
+    """Prefork: run each ML job that asks for `ext_ml_cpu_cores` on that many CPUs of its
+    own (`worker.cpu_cores`); the pool child gets the worker's CPUs back after the job."""
+    limit_memory: bool = True
+    """Prefork: bound the address space of a job without GPUs or TPU chips by its
+    `ext_ml_memory_gb` (`child.limits`); past it the job fails with a MemoryError naming it."""
     lease_ttl_s: float = Field(default=30.0, gt=0)
     """A running ML job's lease expires this long after its worker's last heartbeat."""
     lease_write_delay_ms: float = Field(default=20.0, ge=0, le=1000)
@@ -121,6 +140,10 @@ class OJSMLSettings(BaseModel):
     fair_share: dict[str, float] = Field(default_factory=dict)
     """Queue -> weight: GPUs are shared between competing queues in proportion to their
     weights (weighted max-min within each band; unlisted queues weigh 1)."""
+    fair_share_half_life_s: float = Field(default=0.0, ge=0, le=90 * 86400.0)
+    """With `fair_share` weights: each queue's GPU use also counts, decayed with this
+    half-life (Slurm's fair-share factor), so a queue that held more than its share gives
+    way until its use decays; 0: only the GPUs held now count."""
     advertise_address: str | None = None
     """The address this worker advertises for gangs: `MASTER_ADDR` when it holds rank 0
     (None: the host's primary address)."""
@@ -136,6 +159,15 @@ class OJSMLSettings(BaseModel):
         if bad:
             raise ValueError(f"fair_share weights must be > 0, got {bad}; e.g. {{'train': 2}}")
         return value
+
+    @model_validator(mode="after")
+    def _half_life_needs_weights(self) -> OJSMLSettings:
+        if self.fair_share_half_life_s > 0 and not self.fair_share:
+            raise ValueError(
+                "fair_share_half_life_s needs fair_share weights (it decays their usage); "
+                "set ojs_ml_fair_share, e.g. {'a': 1, 'b': 1}, or the half-life to 0"
+            )
+        return self
 
     @field_validator("recycle_gpu_children", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator
@@ -33,6 +34,9 @@ from celery_ojs_ml.worker.running import Running
 log = logging.getLogger(__name__)
 HEADER_ASSIGN = h.ASSIGN
 HEADER_VICTIMS = h.VICTIMS
+STORE_RETRY_S = 1.0
+"""How long an assigned copy the gate could not claim (the store did not answer) waits
+before it goes back to its queue: the gate tries again about once a second."""
 
 
 def token_of(req: Any) -> str | None:
@@ -63,17 +67,43 @@ class Assignments:
         self.running, self.preemptions, self.wake_scheduler = running, preemptions, wake_scheduler
         self.book: PendingBook = None  # type: ignore[assignment]
         self.lease_of: Callable[[str], Any] = lambda task_id: None
+        self.finished: Callable[[Any], bool] = lambda req: False
+        """Settles a copy whose job is done (`worker.finished.settle_copy`)."""
+        self.to_intake: Callable[[Any, str], None] | None = None
+        """Sends a copy back to the intake with its message (`Grants.give_back_granted`)."""
+        self.later: Callable[[float, Callable[[], None]], Any] = lambda s, f: f()
+        """Runs a call after a delay (the consumer's timer)."""
 
     def open(self, book: PendingBook, lease_of: Callable[[str], Any]) -> None:
         """At every consumer start: the pending set and the lease book to read."""
         self.book, self.lease_of = book, lease_of
 
     def may_start(self, req: Any, alloc: Allocation) -> bool:
-        """Claim the assignment for this run; False (message dropped) when it is stale."""
+        """Claim the assignment for this run; False (message dropped) when it is stale, or
+        when the job committed its final checkpoint in an earlier run (`worker.finished`:
+        its recorded result is stored and the message acked)."""
         token = token_of(req)
-        if token is None:
-            return True
-        outcome = self.book.start(req.id, token, self.hostname)
+        if token is not None and not self._claim(req, token):
+            return False
+        if self.finished(req):
+            self.allocator.free(req)
+            return False
+        return True
+
+    def _claim(self, req: Any, token: str) -> bool:
+        try:
+            outcome = self.book.start(req.id, token, self.hostname)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Not a bad message: the broker keeps it, and it comes back once the store does.
+            log.warning(
+                "ojs-ml: the store does not answer (%s); %s goes back to its queue in %s s",
+                *(exc, req.id, STORE_RETRY_S),
+            )
+            self.allocator.free(req)
+            self.later(STORE_RETRY_S, lambda: requeue(req))
+            return False
+        if outcome == "ok":  # a start a failover undid would let the leader place it again
+            self.book.store.replicated()
         if outcome == "again" and not self._alive(req.id):
             log.warning(
                 "ojs-ml: %s is delivered again and holds no lease; running it again", req.id
@@ -100,18 +130,24 @@ class Assignments:
         """The assignment cannot run here: back to the scheduler with the reason; drop the
         copy. A copy delivered *again* (its run started here, then died before its lease
         was written, and the broker restored the message) is the job's only copy when no
-        lease shows that run alive: it goes back to the pending set with this message."""
+        lease shows that run alive: it goes back to the pending set with this message, or,
+        where the store has no record of the job at all, to the intake (`to_intake`)."""
         token = token_of(req)
         assert token is not None
         why = f"assigned to {self.hostname}, which gave it back: {reason}"
         book = self.book
         try:
-            if (
-                not book.give_back(req.id, token, why)
-                and not self._alive(req.id)
-                and book.give_back(req.id, token, why, msg=message_of(req))
-            ):
-                log.warning("ojs-ml: %s was delivered again after its run died unleased", req.id)
+            if not book.give_back(req.id, token, why) and not self._alive(req.id):
+                if book.give_back(req.id, token, why, msg=message_of(req)):
+                    log.warning(
+                        "ojs-ml: %s was delivered again after its run died unleased", req.id
+                    )
+                elif self.to_intake is not None and "state" not in (book.get(req.id) or {}):
+                    # the store lost the record (it restarted without it): the copy is the job
+                    log.warning("ojs-ml: the store has no record of %s; back to the intake", req.id)
+                    self.to_intake(req, why)
+                    self.wake_scheduler()
+                    return
         except Exception as exc:  # the scheduler takes it back after the assignment timeout
             log.warning("ojs-ml: could not give %s back: %s", req.id, exc)
         log.info("ojs-ml: gave %s back to the scheduler: %s", req.id, reason)
@@ -159,6 +195,12 @@ def message_of(req: Any) -> dict[str, Any]:
         "priority": (req.delivery_info or {}).get("priority"),
     }
     return stored_message(req.body, req.content_type, req.content_encoding, headers, properties)
+
+
+def requeue(req: Any) -> None:
+    """Put this copy back on its queue, to be gated again."""
+    worker_state.task_ready(req)
+    req.reject(requeue=True)
 
 
 def drop(req: Any) -> None:

@@ -9,7 +9,7 @@ and test_consumer_internals.py fail when one changes. Checked against celery
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from celery.worker import state as worker_state
@@ -101,6 +101,17 @@ def prefetch_multiplier(consumer: Any) -> int | None:
     return found if isinstance(found, int) else None
 
 
+def request_embed(req: Any) -> dict[str, Any]:
+    """The callbacks, errbacks, chain and chord a request's message embeds: the third item
+    of `Request._payload` (celery 5.7.0 `celery.worker.request`); {} where it has none
+    (tests/worker/test_batching.py fails if that changes)."""
+    try:
+        embed = req._payload[2]
+    except Exception:  # no payload (not a Celery request), or another layout
+        return {}
+    return dict(embed) if isinstance(embed, Mapping) else {}
+
+
 # -- worker state and events (celery.worker, celery 5.7.0) ----------------------------------
 
 
@@ -117,15 +128,43 @@ def task_events_on(consumer: Any) -> bool:
     """Whether this worker sends task events now: started with `-E` or
     `worker_send_task_events`, or switched on since by the `enable_events` control
     command (Flower sends it). The consumer keeps an `EventDispatcher` whose `groups`
-    is None (every group) or holds "task" then; with task events off it is {"worker"},
-    and it drops the worker's own `ojs-*` events too
+    is empty (every group: `-E` passes None, which it keeps as `set()`) or holds "task"
+    then; with task events off it is {"worker"}, and it drops the worker's own `ojs-*`
+    events too
     (`test_waiting_events_follow_the_workers_task_events_and_flowers_enable_events` in
     tests/integration/test_worker.py fails if that changes)."""
     dispatcher = getattr(consumer, "event_dispatcher", None)
     if dispatcher is None or not getattr(dispatcher, "enabled", False):
         return False
     groups = getattr(dispatcher, "groups", None)
-    return groups is None or "task" in groups
+    return not groups or "task" in groups
+
+
+def add_task_started_fields(
+    consumer: Any, fields_for: Callable[[Any], Mapping[str, Any] | None]
+) -> bool:
+    """Add `fields_for(task_id)` to the `task-started` events this consumer sends.
+
+    `Request.on_accepted` sends `task-started` through `Request.send_event`, which
+    calls the consumer's `event_dispatcher.send` only while events are on: with
+    them off the wrapper never runs. The consumer's `Events` step builds a new
+    dispatcher on every consumer restart, so call this from `start()` each time
+    (`test_flower.py` in tests/integration fails if that changes). False where
+    the consumer has no dispatcher."""
+    dispatcher = getattr(consumer, "event_dispatcher", None)
+    if dispatcher is None:
+        return False
+    if getattr(dispatcher, "_ojs_started_fields", False):
+        return True
+    original = dispatcher.send
+
+    def send(type: str, *args: Any, **fields: Any) -> Any:
+        if type == "task-started":
+            fields.update(fields_for(fields.get("uuid")) or {})
+        return original(type, *args, **fields)
+
+    dispatcher.send, dispatcher._ojs_started_fields = send, True
+    return True
 
 
 # -- kombu (5.7.0) ---------------------------------------------------------------------------

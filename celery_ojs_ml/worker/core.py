@@ -27,18 +27,20 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.pending import PendingBook
-from celery_ojs_ml.wire.inbound import InboundCheck
 from celery_ojs_ml.wire.queues import intake_name, worker_queue_name
 from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.advertising import Advertiser
 from celery_ojs_ml.worker.assigned import Assignments
+from celery_ojs_ml.worker.batching import Batcher
 from celery_ojs_ml.worker.control import GATES as GATES  # importing it registers the commands
+from celery_ojs_ml.worker.finished import settle_copy
 from celery_ojs_ml.worker.gangs import primary_address
 from celery_ojs_ml.worker.gate import Gate
 from celery_ojs_ml.worker.granted import Grants
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions
 from celery_ojs_ml.worker.reservations import ReservationHolder
+from celery_ojs_ml.worker.run_env import RunEnvCheck
 from celery_ojs_ml.worker.running import Running
 from celery_ojs_ml.worker.setup import PoolChildren, plain_running
 from celery_ojs_ml.worker.setup import capabilities_for as capabilities_for
@@ -47,6 +49,7 @@ from celery_ojs_ml.worker.setup import (
 )
 from celery_ojs_ml.worker.setup import is_prefork as is_prefork
 from celery_ojs_ml.worker.setup import nvlink_peers_for as nvlink_peers_for
+from celery_ojs_ml.worker.stats import flat_stats, started_fields, warm_children
 from celery_ojs_ml.worker.stopping import ChildStopper
 from celery_ojs_ml.worker.subscription import Subscription
 from celery_ojs_ml.worker.warm_pool import Router
@@ -127,7 +130,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
     def _build(self) -> None:
         """The collaborators, each given what it uses."""
         s, c, running, lock = self.settings, self.c, self.running, self.running.lock
-        admission = InboundCheck(s.parse_options().bounds, s.max_header_bytes)
+        admission = RunEnvCheck(s.parse_options().bounds, s.max_header_bytes, prefork=self.prefork)
         self.stopper = ChildStopper(c, self.prefork, running)
         self.preemptions = Preemptions(
             self.app, c, s, self.allocator, self.stopper.kill_child, self.prefork
@@ -148,6 +151,9 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             self.hostname, s, self.allocator, running, self.preemptions,
             self.advertiser.wake_scheduler,
         )  # fmt: skip
+        self.assignments.finished = lambda req: settle_copy(self.app, self.store, req)
+        self.assignments.to_intake = self.grants.give_back_granted
+        self.assignments.later = c.timer.call_after
         self.reservations = ReservationHolder(
             self.hostname, self.allocator, lock, admission.parse, self._capacity_back
         )
@@ -159,6 +165,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             wake_scheduler=self.advertiser.wake_scheduler,
             holds_model=self.advertiser.holds_model,
         )  # fmt: skip
+        self.batching = Batcher.for_gate(self.gate, running, self.assignments, self.leases)
 
     def _check_pool(self) -> None:
         if self.prefork or not self.caps.gpu_count:
@@ -183,6 +190,8 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         wake = self.advertiser.wake_item()
         self.advertiser.advertise(wake=wake)  # a worker joining is capacity for the leader
         self.grants.open_prefetch(c)
+        self.batching.open(c)  # the consumer reads ahead for batches to fill
+        internals.add_task_started_fields(c, started_fields(self.running, self.allocator))
         self._start_scheduler()
         self._start_timers(c)
         self._check_concurrency(getattr(c.pool, "limit", None))
@@ -246,6 +255,21 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         if self.grants.on:
             self.grants.read_grants()
             self.grants.return_revoked()
+        self._keep_candidate()
+
+    def _keep_candidate(self) -> None:
+        """Start the scheduler candidate again when its process died (killed, out of
+        memory): else this worker would stand for election no more, and a fleet whose
+        candidates all died would have no scheduler."""
+        proc = getattr(self.scheduler, "proc", None)
+        if proc is None or proc.is_alive():
+            return
+        log.warning(
+            "ojs-ml: the scheduler candidate (pid %s) ended (exit code %s); starting another",
+            *(proc.pid, proc.exitcode),
+        )
+        self.scheduler = None
+        self._start_scheduler()
 
     def register_with_event_loop(self, c: Any, hub: Any) -> None:
         """After the pool wrote its handlers into the hub, before the loop starts (and again
@@ -280,6 +304,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             for pending in self.allocator.held():
                 self.allocator.cancel(pending.key)
                 self.gate.leave_hold(pending.key)
+        self.batching.close()
         self.subscription.close()
 
     def shutdown(self, c: Any) -> None:
@@ -292,8 +317,10 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         GATES.pop(self.hostname, None)
 
     def info(self, c: Any) -> dict[str, Any]:
-        """Merged into `celery inspect stats`, and so into Flower's worker page."""
-        return {"ojs_ml": self.snapshot()}
+        """Merged into `celery inspect stats`, and so into Flower's worker page: flat
+        `ojs_ml.*` pairs (`stats`); the nested document is `ojs_ml_status`."""
+        leader = bool(getattr(self.scheduler, "leading", False))
+        return flat_stats(self.snapshot(), leader=leader, warm=warm_children(self.gate.router))
 
     def banner(self) -> str:
         """One line describing the worker for logs."""

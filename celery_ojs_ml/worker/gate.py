@@ -32,12 +32,14 @@ from celery_ojs_ml.wire.inbound import BadMessage, InboundCheck
 from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.assigned import Assignments, token_of, victims_of
+from celery_ojs_ml.worker.cpu_cores import assign_host
 from celery_ojs_ml.worker.granted import Grants, epoch_of
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions
 from celery_ojs_ml.worker.refusal import refuse
 from celery_ojs_ml.worker.running import Running
 from celery_ojs_ml.worker.sharing import share_info
+from celery_ojs_ml.worker.telemetry import started as started_event
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
 
@@ -79,6 +81,7 @@ class Gate:
         self.store: OJSStore = None  # type: ignore[assignment]
         self.router: Any = None
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
+        self.batching: Any = None  # dynamic batching (`batching.Batcher`), set by `core`
         self._pump_due = False
         self._orig_handler: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
@@ -218,6 +221,8 @@ class Gate:
         return None
 
     def _dispatch(self, req: Any, alloc: Allocation) -> Any:
+        if self.batching is not None and self.batching.takes(req, alloc):
+            return None  # it joins or heads a batch (`batching`), which dispatches it
         if not self.assignments.may_start(req, alloc):
             # A stale copy was dropped and its allocation freed: the jobs held behind it
             # may fit now, and no release will pump them (none may be running here).
@@ -228,6 +233,7 @@ class Gate:
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
         log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
         headers[DEVICES] = list(alloc.devices)
+        assign_host(req, alloc, self.caps, self.requests, self.settings)  # TPU chips, CPUs
         if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
             headers[SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
         self.devices_by_id[req.id] = tuple(alloc.devices)
@@ -244,6 +250,9 @@ class Gate:
             self._clear_pending(req.id)
         self._take_lease(req, alloc)
         self.resubscribe()
+        started_event(self.c, req.id, headers)
+        if self.batching is not None:
+            self.batching.runs.hand_over(req, alloc)  # the batch it heads, if any
         return self._orig_handler(req)
 
     def _clear_pending(self, task_id: str) -> None:

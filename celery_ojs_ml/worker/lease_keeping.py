@@ -20,14 +20,18 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.checkpoint.preempt import clear_preemption
+from celery_ojs_ml.errors import ThresholdsNotMet
 from celery_ojs_ml.store import granted_jobs
 from celery_ojs_ml.store.deadletter import dead_letter, last_checkpoint_of
 from celery_ojs_ml.store.leases import LeaseBook, LeaseWriter
+from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.headers import RENDEZVOUS, plugin_publish
 from celery_ojs_ml.wire.records import republish_headers, request_record
 from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker.finished import settle_claimed
 from celery_ojs_ml.worker.gangs import (
     STOPPED,
     GangFailed,
@@ -40,6 +44,7 @@ from celery_ojs_ml.worker.preemption import Preemptions
 from celery_ojs_ml.worker.running import Running
 from celery_ojs_ml.worker.setup import hard_time_limit
 from celery_ojs_ml.worker.stopping import ChildStopper
+from celery_ojs_ml.worker.telemetry import crashed
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
 
@@ -225,8 +230,19 @@ class LeaseKeeper:
                 log.warning(
                     "ojs-ml: the lease of %s had vanished from the store; rewritten", req.id
                 )
+                self._started_again(req)
             except Exception as exc:
                 log.warning("ojs-ml: could not rewrite the lease of %s: %s", req.id, exc)
+
+    def _started_again(self, req: Any) -> None:
+        """Record the start of an assigned job again where the store lost it with the lease
+        (a failover that lost the last writes): else the leader takes the assignment back
+        after `ojs_ml_assignment_timeout_s` and the job would run twice."""
+        token = req.request_dict.get(h.ASSIGN)
+        if not isinstance(token, str) or not token:
+            return  # not delivered by the leader (a grant, or an earlier version's queue)
+        if PendingBook(self.store).start(req.id, token, self.hostname) == "ok":
+            log.warning("ojs-ml: the start of %s had vanished from the store too", req.id)
 
     def recover_own(self) -> None:
         """On start, take back the jobs a previous incarnation of this worker was running."""
@@ -243,7 +259,7 @@ class LeaseKeeper:
     def recover(self, lease: dict[str, Any], why: str) -> None:
         """Re-publish a claimed job with the same id and its last checkpoint (or dead-letter)."""
         task_id, token = lease["task_id"], lease["claim_token"]
-        if self._already_finished(task_id):
+        if self._already_finished(task_id) or settle_claimed(self.app, self.store, task_id):
             self.leases.release(task_id, token)
             return
         counted = gang_crash(self.store, lease["headers"])  # a gang's crash counts once
@@ -256,6 +272,8 @@ class LeaseKeeper:
         # Once the lease is released, a copy still running on a stalled worker must not
         # take it for lost with the store and write it again: it would run on.
         self.leases.mark_taken_back(task_id, lease.get("token"))
+        clear_preemption(self.store, task_id)  # asked of the dead copy, not of the next one
+        crashed(self.preemptions.c, lease, crashes, crashes > self.settings.max_crashes)
         if crashes > self.settings.max_crashes:
             dead_letter(self.store, lease, f"{why}; crashed {crashes} times")
             self.leases.release(task_id, token)
@@ -305,7 +323,8 @@ class LeaseKeeper:
             if terminal and RENDEZVOUS in req.request_dict:
                 give_up_rank(self.app, req, exc)
             result = original(exc_info, *args, **kwargs)
-            if terminal and req.request_dict.get("ext_ml_checkpoint_enabled"):
+            verdict = isinstance(exc, ThresholdsNotMet)  # a result, not a crash: kept as is
+            if terminal and not verdict and req.request_dict.get("ext_ml_checkpoint_enabled"):
                 self._dead_letter_failed(req, exc)
             return result
 
@@ -323,7 +342,7 @@ class LeaseKeeper:
         if self.preemptions.yielded(req, exc):
             self.preemptions.requeue(req, exc)
             return True
-        terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated)
+        terminal = not isinstance(exc, Retry | Ignore | Reject | Terminated | ThresholdsNotMet)
         return terminal and self._requeue_rank(req, exc)  # its whole gang is placed again
 
     def _requeue_rank(self, req: Any, exc: BaseException) -> bool:

@@ -24,7 +24,7 @@ from celery.exceptions import Ignore
 from celery_ojs_ml.allocator import Allocator, with_preemption_limits
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store.deadletter import republish_request
-from celery_ojs_ml.wire.headers import PREEMPTIONS
+from celery_ojs_ml.wire.headers import BAND, LOGICAL, PREEMPTIONS
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.stopping import UNSTARTED_S
 
@@ -153,7 +153,14 @@ class Preemptions:
             timer.cancel()
 
     def yielded(self, req: Any, exc: BaseException) -> bool:
-        """Whether `exc` is how a preempted job ends (Preempted, or killed after its grace)."""
+        """Whether `exc` is how a preempted job ends (Preempted, or killed after its grace).
+        A `Preempted` this worker did not ask for counts too (the request came from another
+        process, or was left over from an earlier copy): the job checkpointed and stopped,
+        so it must be re-published, never dropped."""
+        from celery_ojs_ml.checkpoint import Preempted
+
+        if isinstance(exc, Preempted):
+            return True
         return req in self.timers and isinstance(exc, Ignore | Terminated | WorkerLostError)
 
     def requeue(self, req: Any, exc: BaseException) -> None:
@@ -183,6 +190,8 @@ class Preemptions:
                 preemptions=count,
                 how=how,
                 checkpoint=(checkpoint or {}).get("sequence"),
+                band=req.request_dict.get(BAND),
+                queue=req.request_dict.get(LOGICAL),
             )
 
 

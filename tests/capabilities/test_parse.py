@@ -218,7 +218,8 @@ def test_a_tpu_worker_advertises_its_slice_next_to_the_section_11_fields() -> No
             {"cpu_core": 32},
             'capabilities.cpu_core is not a known field (OJS ML §11); did you mean "cpu_cores"? '
             "use one of worker_id, accelerator, gpu, tpu, cpu_cores, memory_gb, storage_gb, "
-            "shm_size_gb, models_loaded, model_registry_access, runtimes, labels",
+            "shm_size_gb, models_loaded, model_registry_access, runtimes, model_formats, "
+            "labels, gpu_devices",
         ),
         (
             {"models_loaded": [{"model_version": "v1"}]},

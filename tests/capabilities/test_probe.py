@@ -96,19 +96,30 @@ def test_a_gpu_outside_the_catalogue_reports_floored_gib() -> None:
     )
 
 
-def test_mixed_gpus_advertise_the_most_common_type_and_flag_the_mix() -> None:
+def test_mixed_gpus_advertise_every_device_with_its_own_facts_and_flag_the_mix() -> None:
+    """The summary never overclaims (the smallest VRAM); each device's facts say which
+    jobs it serves (`capabilities.devices`)."""
     nvml = FakeNVML([T4, A100_80GB, A100_80GB])
     worker = probe(nvml=nvml, psutil_mod=FakePsutil())
     assert worker.gpu is not None
-    assert (worker.gpu.type, worker.gpu.count, worker.gpu.memory_gb) == ("nvidia-a100", 2, 80)
+    assert (worker.gpu.type, worker.gpu.count, worker.gpu.memory_gb) == ("nvidia-a100", 3, 16)
     assert worker.labels == {"gpu_heterogeneous": "true", "gpu_types": "nvidia-a100,nvidia-t4"}
+    assert [(d.type, d.memory_gb) for d in worker.gpu_devices] == [
+        ("nvidia-t4", 16),
+        ("nvidia-a100", 80),
+        ("nvidia-a100", 80),
+    ]
     assert [d.gpu_type for d in probe_devices(nvml)] == ["nvidia-t4", "nvidia-a100", "nvidia-a100"]
 
 
 def test_mixed_gpus_in_equal_numbers_advertise_the_type_of_the_first_device() -> None:
     worker = probe(nvml=FakeNVML([L4, T4]), psutil_mod=FakePsutil())
     assert worker.gpu is not None
-    assert (worker.gpu.type, worker.gpu.count) == ("nvidia-l4", 1)
+    assert (worker.gpu.type, worker.gpu.count) == ("nvidia-l4", 2)
+
+
+def test_a_host_of_alike_gpus_advertises_no_per_device_facts() -> None:
+    assert probe(nvml=FakeNVML.of(A100_80GB, 2), psutil_mod=FakePsutil()).gpu_devices == ()
 
 
 def test_probe_devices_lists_each_device_for_the_allocator() -> None:

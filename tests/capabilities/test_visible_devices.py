@@ -55,17 +55,18 @@ def mixed() -> FakeNVML:
     return FakeNVML([a100[0], a100[1], t4, a100[3]])
 
 
-def test_on_a_mixed_host_allocation_indices_name_only_the_advertised_models_devices() -> None:
-    """The worker advertises 3 A100s; allocation index 2 is NVML device 3,
-    never the T4 at index 2."""
+def test_on_a_mixed_host_allocation_indices_name_every_device_by_its_nvml_index() -> None:
+    """The worker advertises all 4 devices, each with its model (`gpu_devices`);
+    allocation index 2 is the T4."""
     nvml = mixed()
     caps = probe(nvml=nvml, psutil_mod=FakePsutil())
-    assert caps.gpu is not None and (caps.gpu.type, caps.gpu.count) == ("nvidia-a100", 3)
+    assert caps.gpu is not None and (caps.gpu.type, caps.gpu.count) == ("nvidia-a100", 4)
+    assert [d.type for d in caps.gpu_devices] == ["nvidia-a100"] * 2 + ["nvidia-t4", "nvidia-a100"]
     tokens = advertised_tokens(nvml, env={})
-    assert tokens == ["0", "1", "3"]
+    assert tokens == ["0", "1", "2", "3"]
     child.VISIBLE["tokens"] = tokens
     try:
-        assert child.pinned([0, 1, 2]) == "0,1,3"
+        assert child.pinned([2]) == "2"
     finally:
         child.VISIBLE["tokens"] = None
 
@@ -73,7 +74,7 @@ def test_on_a_mixed_host_allocation_indices_name_only_the_advertised_models_devi
 def test_on_a_mixed_host_an_inherited_visible_list_keeps_its_own_names() -> None:
     nvml = mixed()
     env = {"CUDA_VISIBLE_DEVICES": "GPU-fake-0002,3,1"}  # the T4 by UUID, then two A100s
-    assert advertised_tokens(nvml, env=env) == ["3", "1"]
+    assert advertised_tokens(nvml, env=env) == ["GPU-fake-0002", "3", "1"]
 
 
 def test_on_a_host_of_one_model_the_tokens_are_the_inherited_ones() -> None:

@@ -24,6 +24,7 @@ import pytest
 
 from celery_ojs_ml.checkpoint import CheckpointSettings, clear_storage_options, reset_flag
 from celery_ojs_ml.checkpoint.preempt import SIGNAL
+from celery_ojs_ml.spec.bounds import Bounds
 from tests.helpers import free_port, stop_process
 
 _MOTO_START_TIMEOUT_S = 30.0
@@ -56,9 +57,17 @@ class Backend:
             "storage_uri": self.storage_uri,
             "storage_options": self.options,
             "enabled": True,
+            "bounds": self.bounds(),
             **overrides,
         }
         return CheckpointSettings(**values)
+
+    def bounds(self, **overrides: Any) -> Bounds:
+        """The allow-lists with the test's tmp dir granted to a `file://` backend (a local
+        checkpoint directory must be: OJS ML Extensions §12.1), plus `overrides`."""
+        root = self.storage_uri.rstrip("/").rsplit("/", 1)[0] + "/"
+        granted = (root,) if self.name == "file" else ()
+        return Bounds(**{"checkpoint_prefixes": granted, **overrides})
 
     def fs(self, uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
         """A fresh (uncached) filesystem for `uri`, so listings reflect the server."""

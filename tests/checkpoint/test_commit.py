@@ -103,11 +103,15 @@ _CRASH_BEFORE_COMMIT = textwrap.dedent(
     import json, os, sys
     import redis
     from celery_ojs_ml.checkpoint import Checkpointer, CheckpointSettings
+    from celery_ojs_ml.spec.bounds import Bounds
     from celery_ojs_ml.store.registry import OJSStore
 
     url, prefix, job, uri, options = sys.argv[1:]
     store = OJSStore(redis.Redis.from_url(url), prefix=prefix)
-    settings = CheckpointSettings(storage_uri=uri, storage_options=json.loads(options))
+    bounds = Bounds(checkpoint_prefixes=(uri,))  # a file:// prefix must be granted
+    settings = CheckpointSettings(
+        storage_uri=uri, storage_options=json.loads(options), bounds=bounds
+    )
     ckpt = Checkpointer(job, settings, store)
 
     def crash(meta):

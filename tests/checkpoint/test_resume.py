@@ -51,13 +51,15 @@ def test_resume_logs_the_epoch_and_step_and_sends_checkpoint_loaded_section_9_3(
     assert events.sent == [("ojs-checkpoint-loaded", {**saved.to_dict(), "source": "store"})]
 
 
-def test_a_save_sends_checkpoint_saved_with_the_committed_metadata(
+def test_a_save_sends_checkpoint_saved_with_the_committed_metadata_and_its_duration(
     file_backend: Backend, store: OJSStore
 ) -> None:
-    events = Events()
-    meta = Checkpointer(JOB, file_backend.settings(), store, emit=events).save(epoch=1)
+    events, clock = Events(), FakeClock()
+    ckpt = Checkpointer(JOB, file_backend.settings(), store, emit=events, clock=clock)
+    with ckpt.writer(epoch=1) as w:
+        clock.advance(2.5)  # the payload takes 2.5 s to write
 
-    assert events.sent == [("ojs-checkpoint-saved", meta.to_dict())]
+    assert events.sent == [("ojs-checkpoint-saved", {**w.meta.to_dict(), "duration_s": 2.5})]
 
 
 def test_an_event_that_cannot_be_sent_does_not_fail_the_save(
@@ -103,7 +105,9 @@ def test_resume_from_names_the_checkpoint_when_nothing_else_exists_extensions_5_
 ) -> None:
     weights = tmp_path / "pretrained.pt"
     weights.write_bytes(b"pretrained weights")
-    settings = file_backend.settings(bounds=Bounds(artifact_prefixes=(f"file://{tmp_path}/",)))
+    settings = file_backend.settings(
+        bounds=file_backend.bounds(artifact_prefixes=(f"file://{tmp_path}/",))
+    )
     ckpt = Checkpointer(JOB, settings, store, resume_from=f"file://{weights}")
 
     resumed = ckpt.resume()
@@ -148,7 +152,7 @@ def test_a_header_outside_the_allowed_prefixes_is_not_restored_section_15_3(
     ckpt = Checkpointer(JOB, file_backend.settings(bounds=bounds), store, header_last=header)
 
     assert ckpt.resume() is None
-    assert "is outside the allowed prefixes" in caplog.text
+    assert "has storage_key 's3://team-b/ckpt/job/1/' outside this job's checkpoint" in caplog.text
 
 
 def test_reading_a_file_without_a_checkpoint_to_resume_says_so(

@@ -62,7 +62,8 @@ def test_settings_from_attributes_keep_what_the_job_asked_for() -> None:
             "ext_ml_checkpoint_max_count": 5,
             "ext_ml_checkpoint_on_preempt": True,
             "ext_ml_preemption_grace_period_s": 120,
-        }
+        },
+        bounds=Bounds(checkpoint_prefixes=("file:///mnt/nfs/",)),
     )
 
     assert (settings.interval_s, settings.max_count) == (60, 5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kombu
@@ -29,9 +30,10 @@ _KOMBU: Any = kombu
 
 
 @pytest.fixture
-def app(store: OJSStore) -> Celery:
+def app(store: OJSStore, tmp_path: Path) -> Celery:
     """A Celery app with the plugin on the test store; tasks run eagerly via `apply()`."""
     app = Celery("ckpt-tests", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.ojs_ml_checkpoint_prefixes = [f"file://{tmp_path}/", "s3://"]  # both backends
     OJSML(app)
     app.ojs_ml.use_store(store)
     return app

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -86,6 +87,9 @@ def make_app(broker: str, **conf: Any) -> Celery:
         ojs_ml_min_runtime_before_preemption_s=float(os.environ.get("OJS_TEST_MIN_RUNTIME", "60")),
         ojs_ml_assignment_timeout_s=float(os.environ.get("OJS_TEST_ASSIGN_TIMEOUT", "15")),
         ojs_ml_leader_ttl_s=float(os.environ.get("OJS_TEST_LEADER_TTL", "5")),
+        # file:// checkpoint storage must be granted (OJS ML Extensions §12.1): the training
+        # tasks' directory, and the temp dir the tests' own directories live in
+        ojs_ml_checkpoint_prefixes=[f"file://{_ckpt_dir()}/", f"file://{tempfile.gettempdir()}/"],
     )
     if os.environ.get("OJS_TEST_GRANTS") == "0":  # the whole suite with a decision per job
         app.conf.ojs_ml_grants = False
@@ -97,6 +101,10 @@ def make_app(broker: str, **conf: Any) -> Celery:
     _define_gang_tasks(app, results_url)
     _define_hold_task(app, results_url)
     return app
+
+
+def _ckpt_dir() -> str:
+    return os.environ.get("OJS_TEST_CKPT", "/tmp/ojs-test-ckpt")
 
 
 def _record(results_url: str, entry: dict[str, Any]) -> None:
@@ -174,7 +182,7 @@ def _define_share_tasks(app: Celery, results_url: str) -> None:
 
 
 def _define_training_tasks(app: Celery, results_url: str) -> None:
-    ckpt_dir = os.environ.get("OJS_TEST_CKPT", "/tmp/ojs-test-ckpt")
+    ckpt_dir = _ckpt_dir()
     ckpt_ml = {
         "ext_ml_gpu_count": 1,
         "ext_ml_checkpoint_enabled": True,
@@ -184,8 +192,11 @@ def _define_training_tasks(app: Celery, results_url: str) -> None:
     }
 
     @app.task(bind=True, name="ml.ckpt_train", shared=False, ml=ckpt_ml)
-    def ckpt_train(self: Any, epochs: int, epoch_s: float, ignore_preemption: bool = False) -> int:
-        """Checkpoint every epoch; record where each run started and what was committed."""
+    def ckpt_train(
+        self: Any, epochs: int, epoch_s: float, ignore_preemption: bool = False, final: bool = False
+    ) -> int:
+        """Checkpoint every epoch; record where each run started and what was committed.
+        `final`: the last save is final (`save(final=True)`, docs/checkpoint.md)."""
         from celery_ojs_ml import checkpoint
         from celery_ojs_ml.checkpoint import last_checkpoint
 
@@ -213,6 +224,8 @@ def _define_training_tasks(app: Celery, results_url: str) -> None:
                 step=epoch,
                 loss=1.0 / (epoch + 1),
                 files={"state.json": json.dumps({"epoch": epoch}).encode()},
+                final=final and epoch == epochs - 1,
+                result=epochs,
             )
             client.lset(key, index, json.dumps({**run, "t1": time.time(), "epoch": epoch}))
             if not ignore_preemption:
@@ -320,7 +333,7 @@ def _define_gang_tasks(app: Celery, results_url: str) -> None:
         _record(results_url, entry)
         return entry
 
-    ckpt_dir = os.environ.get("OJS_TEST_CKPT", "/tmp/ojs-test-ckpt")
+    ckpt_dir = _ckpt_dir()
     gang_ml = {
         "ext_ml_cpu_cores": 1,
         "ext_ml_checkpoint_enabled": True,

@@ -32,9 +32,9 @@ def test_a_gang_that_does_not_fit_whole_places_no_rank_and_waits_with_one_reason
     assert len(reasons) == 1 and "1/2 ranks can be placed now" in reasons.pop()
 
 
-def test_single_jobs_see_what_the_gang_took() -> None:
+def test_single_jobs_behind_a_gang_in_order_see_what_the_gang_took() -> None:
     fleet = [worker("a"), worker("b")]
-    pending = [*ranks("g", 2, gpu_count=8), job("solo", at=0, gpu_count=1)]
+    pending = [*ranks("g", 2, gpu_count=8), job("solo", at=2, gpu_count=1)]
     decision = schedule(pending, fleet, NOW, Policy())
     assert sorted(decision.assigned()) == ["g-0", "g-1"]
     assert "solo" in decision.annotations

@@ -20,8 +20,17 @@ def test_jobs_with_the_same_hard_constraints_share_a_class_whatever_their_soft_o
         timeout_seconds=60,
         affinity={"preferred": [{"key": "region", "operator": "In", "values": ["eu"]}]},
     )
-    b = _req(gpu_count=2, gpu_type="nvidia-a100", model_id="m2", runtime="vllm")
+    b = _req(gpu_count=2, gpu_type="nvidia-a100", model_id="m2", max_tokens=512)
     assert class_id(a) == class_id(b)
+
+
+def test_a_different_runtime_or_model_format_is_a_different_class() -> None:
+    """OJS ML §6 `ext_ml_runtime` and §4 `ext_ml_model_format` are hard constraints."""
+    plain = class_id(_req(gpu_count=1))
+    classes = {class_id(_req(gpu_count=1, runtime=r)) for r in ("vllm", "pytorch")}
+    formats = {class_id(_req(gpu_count=1, model_format=f)) for f in ("gguf", "safetensors")}
+    assert len({plain, *classes, *formats}) == 5
+    assert has_hard_constraints(_req(runtime="onnx"))
 
 
 def test_a_different_vram_minimum_is_a_different_class() -> None:

@@ -148,6 +148,8 @@ def test_the_main_example_maps_to_four_spread_slots_of_two_cores() -> None:
                 "environment": {"HOME": "/home/flux"},
             }
         },
+        cwd="/home/flux",
+        environment={"HOME": "/home/flux"},
     )
 
 

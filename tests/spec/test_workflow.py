@@ -89,4 +89,4 @@ def test_a_batch_carries_its_jobs_and_callbacks() -> None:
         }
     )
     assert [s.type for s in wf.steps] == ["a", "b"]
-    assert wf.callbacks == {"on_complete": {"type": "notify"}}
+    assert {name: job.type for name, job in wf.callbacks.items()} == {"on_complete": "notify"}
