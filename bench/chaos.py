@@ -79,6 +79,8 @@ class Campaign:
         self.unpublished = 0
         self.refused: set[str] = set()
         self.stop = threading.Event()
+        self.over = threading.Event()
+        self.exits: list[dict[str, Any]] = []
         self.topology = topology
         self.servers: dict[str, Any] = {
             "ledger": RedisServer("ledger", workdir, aof=False),
@@ -172,6 +174,21 @@ class Campaign:
                 raise RuntimeError(f"timed out waiting for {what}\n{tails}")
             time.sleep(0.2)
 
+    def supervise(self) -> None:
+        """Start a worker again that exited on its own, as a supervisor would (systemd's
+        `Restart=always`), and note when and why it exited."""
+        while not self.over.wait(1.0):
+            for worker in self.workers:
+                if worker.alive() or not worker.busy.acquire(blocking=False):
+                    continue
+                try:
+                    if worker.proc is not None and worker.proc.poll() is not None:
+                        why = worker.exit_reason()
+                        self.exits.append({"worker": worker.name, "t": time.time(), "why": why})
+                        worker.start()
+                finally:
+                    worker.busy.release()
+
     # -- workload -----------------------------------------------------------------------------
 
     def publish_loop(self) -> None:
@@ -243,6 +260,7 @@ class Campaign:
         faults = schedule(self.seed, self.minutes, self.n_workers, LEASE_TTL_S, kinds)
         publisher = threading.Thread(target=self.publish_loop, daemon=True)
         publisher.start()
+        threading.Thread(target=self.supervise, daemon=True).start()
         t0 = time.monotonic()
         injector_thread = threading.Thread(
             target=injector.run, args=(faults, t0, self.stop), daemon=True
@@ -255,6 +273,7 @@ class Campaign:
         injector.join()
         self._heal()
         drained = self._drain()
+        self.over.set()
         return self._report(injector, began, drained)
 
     def _heal(self) -> None:
@@ -262,8 +281,9 @@ class Campaign:
         for proxy in self.proxies.values():
             proxy.heal()
         for worker in self.workers:
-            if not worker.alive():
-                worker.start()
+            with worker.busy:  # not beside the supervisor's own restart
+                if not worker.alive():
+                    worker.start()
 
     def _drain(self) -> float:
         """Wait until every published job ended (or `drain_s` passed); returns seconds."""
@@ -301,6 +321,7 @@ class Campaign:
             "refused_but_ran": sorted(self.refused & set(runs)),
             "faults": {k: sum(f.kind == k for f in done) for k in chaos_report.KINDS},
             "fault_errors": injector.errors,
+            "worker_exits": self.exits,
             "fault_log": [
                 {"kind": f.kind, "worker": f.worker, "t": f.t, "end": f.end, **f.detail}
                 for f in done
@@ -321,6 +342,7 @@ class Campaign:
             return {"error": repr(exc)}
 
     def close(self) -> None:
+        self.over.set()
         for worker in self.workers:
             worker.stop()
         for proxy in self.proxies.values():

@@ -105,13 +105,15 @@ class Injector:
     def _pick(self, fault: Fault) -> ChaosWorker:
         """The scheduled worker, or the next one not under another fault (waits for one)."""
         n = len(self.workers)
-        while True:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             for i in range(n):
                 worker = self.workers[(fault.target + i) % n]
                 if worker.alive() and worker.busy.acquire(blocking=False):
                     fault.worker = worker.name
                     return worker
             time.sleep(0.2)
+        raise RuntimeError("no worker was running and free of other faults for 60 s")
 
     def _kill(self, fault: Fault) -> None:
         worker = self._pick(fault)

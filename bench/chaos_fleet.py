@@ -99,5 +99,12 @@ class ChaosWorker:
                         return int(child.pid)
         return None
 
+    def exit_reason(self) -> str:
+        """Why the worker exited on its own: its last CRITICAL log line, or the exit code."""
+        lines = self.tail(20000).splitlines()
+        critical = [line for line in lines if "CRITICAL/" in line]
+        code = None if self.proc is None else self.proc.returncode
+        return critical[-1].split("] ", 1)[-1] if critical else f"exit code {code}"
+
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""

@@ -188,6 +188,9 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"{kind:<10}{r['count']:>6}  {_pair(r['next_completion_s']):<20}" + ", ".join(
             f"{k} {_pair(v)}" for k, v in r.items() if k not in ("count", "next_completion_s")
         ))  # fmt: skip
+    exits = report.get("worker_exits", [])
+    lines += ["", f"workers that exited on their own (started again): {len(exits)}"]
+    lines += [f"  {e['worker']}: {e['why'][:140]}" for e in exits[:10]]
     v = report["verdict"]
     lines += [
         "",

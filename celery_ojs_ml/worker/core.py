@@ -135,6 +135,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         self.preemptions = Preemptions(
             self.app, c, s, self.allocator, self.stopper.kill_child, self.prefork
         )
+        self.preemptions.forsake = running.forsake
         self.leases = LeaseKeeper(
             self.app, s, self.allocator, running, self.preemptions, self.stopper,
             self.hostname, uuid.uuid4().hex,

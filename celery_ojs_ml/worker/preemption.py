@@ -78,6 +78,9 @@ class Preemptions:
         self.app, self.c, self.settings, self.allocator = app, consumer, settings, allocator
         self.kill_child, self.prefork = kill_child, prefork
         self.timers: dict[Any, Any] = {}
+        self.forsake: Callable[[Any], None] = lambda req: None
+        """Stops refreshing, releasing and acking a job's lease and message, so that they
+        outlive this run (`Running.forsake`)."""
 
     def __contains__(self, req: Any) -> bool:
         return req in self.timers
@@ -177,8 +180,17 @@ class Preemptions:
         store = self.app.ojs_ml.store
         worker_state.task_ready(req)
         count = preemptions_of(req.request_dict) + 1
-        clear_preemption(store, req.id)
-        checkpoint = republish_request(self.app, store, req, ojs_preemptions=count)
+        try:
+            clear_preemption(store, req.id)
+            checkpoint = republish_request(self.app, store, req, ojs_preemptions=count)
+        except Exception as err:  # the broker or the store is away: the lease holds the job
+            log.warning(
+                "ojs-ml: could not re-publish preempted %s (%s); its lease is kept, and the "
+                "worker that claims it once it expires re-publishes the job",
+                *(req.id, err),
+            )
+            self.forsake(req)
+            return
         how = "yielded" if isinstance(exc, Ignore) else _killed(req)
         log.warning("ojs-ml: %s %s; re-published (preemption %d)", req.id, how, count)
         req.send_event("task-retried", exception=f"Preempted({how}, preemptions={count})")

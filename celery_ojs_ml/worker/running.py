@@ -31,3 +31,11 @@ class Running:
         """Running requests whose lease write failed: their message is acked when they end."""
         self.hold_until: dict[Any, float] = {}
         """Held requests kept past `ojs_ml_max_hold_s` (their victims are yielding)."""
+
+    def forsake(self, req: Any) -> None:
+        """Leave a job's lease and message to outlive this run: no longer refreshed,
+        released or acked here, so the lease expires (or the broker delivers the message
+        again) and whoever claims it re-publishes the job."""
+        with self.lock:
+            self.tokens.pop(req, None)
+            self.unacked.pop(req, None)
