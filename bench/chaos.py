@@ -126,7 +126,7 @@ class Campaign:
             self.workers.append(ChaosWorker(name, env, self.workdir, concurrency=3))
         for worker in self.workers:
             worker.start()
-        self._wait("every worker to advertise", self._all_live, 120)
+        self._wait("every worker to advertise", self._all_live, 240)  # a loaded machine
         self._wait("a scheduler to be elected", self.leader, 60)
 
     def _unique_servers(self) -> list[Any]:

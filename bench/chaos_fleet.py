@@ -101,7 +101,7 @@ class ChaosWorker:
 
     def exit_reason(self) -> str:
         """Why the worker exited on its own: its last CRITICAL log line, or the exit code."""
-        lines = self.tail(20000).splitlines()
+        lines = self.tail(400_000).splitlines()
         critical = [line for line in lines if "CRITICAL/" in line]
         code = None if self.proc is None else self.proc.returncode
         return critical[-1].split("] ", 1)[-1] if critical else f"exit code {code}"

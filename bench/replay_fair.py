@@ -1,6 +1,7 @@
 """Two tenants, one floods first: each one's GPU share over time, with and without memory.
 
     .venv/bin/python -m bench.replay_fair [--json] [--half-life 1800] [--weights 1:1 2:1]
+        [--plot FILE.png]
 
 Tenant `a` submits a backlog of 1-GPU jobs at t = 0 and fills the fleet; tenant
 `b` submits a backlog as large at `--b-at` (1 h). Both backlogs outlast the run,
@@ -13,7 +14,8 @@ event) with `ojs_ml_fair_share` weights, once without memory and once with
 every pass with the GPUs each queue holds, as the live leader does
 (`leader.fair_usage`). Reported per policy, in windows of `--step` seconds: each
 tenant's share of the GPUs held (time-weighted), and the cumulative share of
-GPU-seconds since t = 0, against the weights' target while both wait.
+GPU-seconds since t = 0, against the weights' target while both wait. `--plot`
+draws both against time, one column per weighting, with and without memory.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--weights", nargs="+", default=["1:1", "2:1"], help="a:b weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", metavar="FILE.png", help="each tenant's share over time")
     opts = parser.parse_args(argv)
     result: dict[str, Any] = {"args": vars(opts), "runs": {}}
     for spec in opts.weights:
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for half_life in (0.0, opts.half_life):
             name = f"{spec} half-life {half_life:g}s"
             result["runs"][name] = replay(opts, weights, half_life)
+    if opts.plot:
+        from bench.replay_plot import fair_plot
+
+        fair_plot(result, opts.plot)
     if opts.json:
         print(json.dumps(result, indent=1))
     else:

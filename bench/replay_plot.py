@@ -28,8 +28,8 @@ COLOURS = {
 }
 
 
-def plot(mode: str, result: dict[str, Any], path: str) -> None:
-    """Write the figure of a `--mode` result to `path` (PNG)."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or exit saying how to install it."""
     try:
         import matplotlib
 
@@ -39,6 +39,44 @@ def plot(mode: str, result: dict[str, Any], path: str) -> None:
         raise SystemExit(
             "--plot needs matplotlib, a bench-only extra: pip install -e '.[bench]'"
         ) from None
+    return plt
+
+
+def scheduler_plot(rows: list[dict[str, Any]], path: str) -> None:
+    """`bench/scheduler.py --plot`: pass time and time per decision against workers."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    jobs = sorted({r["jobs"] for r in rows})
+    for fleet, colour in (("busy", "tab:red"), ("idle", "tab:blue")):
+        mine = sorted((r for r in rows if r["fleet"] == fleet), key=lambda r: r["workers"])
+        if not mine:
+            continue
+        xs = [r["workers"] for r in mine]
+        left.plot(xs, [r["pass_s"] for r in mine], marker="o", color=colour, label=fleet)
+        right.plot(xs, [r["median_us"] for r in mine], marker="o", color=colour,
+                   label=f"{fleet}, median")  # fmt: skip
+        right.plot(xs, [r["p99_us"] for r in mine], marker="^", linestyle=":", color=colour,
+                   label=f"{fleet}, p99")  # fmt: skip
+    left.set_title(f"whole pass, {', '.join(f'{j:,}' for j in jobs)} pending jobs")
+    left.set_ylabel("seconds")
+    left.set_ylim(bottom=0)
+    right.set_title("one Planner.decide")
+    right.set_ylabel("µs (log)")
+    right.set_yscale("log")
+    right.axhline(1000, color="gray", linewidth=0.8, linestyle="--", label="1 ms target")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("workers (log)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(mode: str, result: dict[str, Any], path: str) -> None:
+    """Write the figure of a `--mode` result to `path` (PNG)."""
+    plt = _pyplot()
     panels = [k for k in result if k != "meta"]
     extra = 2 if mode == "time" else 0
     fig, axes = plt.subplots(
@@ -115,3 +153,86 @@ def _waits(ax: Any, load: str, by_policy: dict[str, Any]) -> None:
     ax.set_ylabel("share of jobs")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def gang_plot(result: dict[str, Any], path: str) -> None:
+    """`bench/replay_gang.py --plot`: gang waits, small jobs' waits, busy GPUs over time."""
+    plt = _pyplot()
+    policies = [p for p in result if p != "meta"]
+    meta = result["meta"]
+    gangs = list(meta["gangs"])
+    fig, (bars, cdf, busy) = plt.subplots(1, 3, figsize=(16, 4.2))
+    width = 0.8 / max(1, len(policies))
+    for k, policy in enumerate(policies):
+        waits = [result[policy]["gang_wait_s"][g] / 3600 for g in gangs]
+        xs = [i + (k - (len(policies) - 1) / 2) * width for i in range(len(gangs))]
+        bars.bar(xs, waits, width, label=policy, color=COLOURS.get(policy))
+        small = [max(w, 1.0) / 60 for w in result[policy]["small_waits"]]
+        share = [(i + 1) / len(small) for i in range(len(small))]
+        mean = result[policy]["small_mean_wait_s"] / 60
+        cdf.step(small, share, where="post", color=COLOURS.get(policy),
+                 label=f"{policy}, mean {mean:.1f} min")  # fmt: skip
+        times = [t / 3600 for t, _ in result[policy]["busy"]]
+        held = [100 * n / meta["gpus"] for _, n in result[policy]["busy"]]
+        util = result[policy]["utilisation_pct"]
+        busy.step(times, held, where="post", color=COLOURS.get(policy), alpha=0.7,
+                  linewidth=0.8, label=f"{policy}, utilisation {util:.1f} %")  # fmt: skip
+        for t in result[policy]["gang_start_s"].values():
+            busy.axvline(t / 3600, color=COLOURS.get(policy), linestyle=":", linewidth=0.8)
+    bars.set_xticks(range(len(gangs)), [g.split("-", 1)[-1] for g in gangs])
+    bars.set_title("wait of each gang (ranks x GPUs), arrival order")
+    bars.set_ylabel("hours")
+    cdf.set_xscale("log")
+    cdf.set_title(f"{meta['small']} 1-GPU jobs: wait (CDF)")
+    cdf.set_xlabel("wait, minutes (log; 0 shown at 1 s)")
+    cdf.set_ylabel("share of jobs")
+    busy.set_title(f"GPUs busy, {meta['gpus']} in all (dotted: a gang starts)")
+    busy.set_xlabel("hours")
+    busy.set_ylabel("% of GPUs")
+    for ax in (bars, cdf, busy):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def fair_plot(result: dict[str, Any], path: str) -> None:
+    """`bench/replay_fair.py --plot`: each tenant's share per window (top) and of all
+    GPU-seconds so far (bottom), one column per weighting; dashed: with a half-life."""
+    plt = _pyplot()
+    args = result["args"]
+    specs = list(args["weights"])
+    fig, axes = plt.subplots(2, len(specs), figsize=(6 * len(specs), 7), squeeze=False)
+    colours = {"a": "tab:blue", "b": "tab:orange"}
+    for col, spec in enumerate(specs):
+        runs = {n: r for n, r in result["runs"].items() if n.startswith(f"{spec} ")}
+        for name, run in runs.items():
+            memory = not name.endswith(" 0s")
+            label = f"half-life {args['half_life'] / 3600:g} h" if memory else "no memory"
+            ts = [0.0] + [p["t_h"] for p in run["windows"]]
+            for tenant, colour in colours.items():
+                style = "--" if memory else "-"
+                shares = [p[f"{tenant}_pct"] for p in run["windows"]]
+                axes[0][col].step(ts, [shares[0], *shares], where="pre", linestyle=style,
+                                  color=colour, label=f"{tenant}, {label}")  # fmt: skip
+                cum = [p[f"{tenant}_cum_pct"] for p in run["windows"]]
+                axes[1][col].plot(ts[1:], cum, linestyle=style, marker=".", color=colour,
+                                  label=f"{tenant}, {label}")  # fmt: skip
+        target = next(iter(runs.values()))["target_pct"]
+        for row, what in enumerate(
+            ("share of the fleet, per window", "share of GPU-seconds so far")
+        ):
+            ax = axes[row][col]
+            for tenant, colour in colours.items():
+                ax.axhline(target[tenant], color=colour, linestyle=":", linewidth=1)
+            ax.axvline(args["b_at"] / 3600, color="gray", linewidth=0.8)
+            ax.set_title(f"weights a:b = {spec}: {what} (dotted: weight)", fontsize=10)
+            ax.set_xlabel("hours (grey: b starts submitting)")
+            ax.set_ylabel("%")
+            ax.set_ylim(0, 105)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

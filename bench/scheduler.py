@@ -16,10 +16,15 @@ pass under tracemalloc and reports its peak (the pass's own allocations, on
 top of the inputs); `digest` is a hash of the pass's decision (assignments,
 reservations, preemptions, start estimates, annotations), equal before and after
 a change that must not change decisions. `--profile N` prints cProfile's top N
-functions of one pass.
+functions of one pass. Memory: `rss_mb` is the process's resident set right after
+the timed pass (fleet, pending jobs, memo and the pass's decision alive: what a
+leader holding them would hold), `max_rss_mb` its peak so far (over earlier rows
+too). `--plot FILE.png` draws the pass time and the time per decision against
+the number of workers (log x); `--out FILE.json` writes the rows.
 
     .venv/bin/python bench/scheduler.py [--jobs 10000] [--workers 100 1000]
-        [--fleets busy idle] [--memory] [--profile 25] [--json]
+        [--fleets busy idle] [--memory] [--profile 25] [--json] [--plot FILE.png]
+        [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -28,22 +33,40 @@ import argparse
 import cProfile
 import hashlib
 import json
+import os
 import pstats
 import random
 import resource
 import statistics
+import sys
 import time
 import tracemalloc
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import psutil
+
 from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
-from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Planner, RunningJob, WorkerState
+from celery_ojs_ml.leader.gc_pause import gc_paused
+from celery_ojs_ml.scheduler import (
+    Decision,
+    Memo,
+    PendingJob,
+    Planner,
+    Policy,
+    RunningJob,
+    WorkerState,
+)
 from celery_ojs_ml.scheduler.order import in_order
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.wire.settings import OJSMLSettings
 
 NOW = 1_700_000_000.0
+LIVE = Policy(estimate_depth=OJSMLSettings().estimate_depth)
+"""The policy core's defaults with the live leader's estimate depth."""
 PROFILES = (
     ("profile:nvidia-a100x8", 3),
     ("profile:nvidia-h100x8", 2),
@@ -143,18 +166,19 @@ def digest(decision: Decision) -> str:
 
 
 def one_pass(
-    workers: list[WorkerState], jobs: list[PendingJob], memo: Memo
+    workers: list[WorkerState], jobs: list[PendingJob], memo: Memo, policy: Policy = LIVE
 ) -> tuple[list[int], float, dict[str, Any]]:
     """Per-decision times (ns), the pass total (s), and the outcome counts."""
     start = time.perf_counter()
-    ordered = in_order(jobs)
-    planner = Planner(workers, NOW, pending=ordered, memo=memo)
-    samples = []
-    for job in ordered:
-        t0 = time.perf_counter_ns()
-        planner.decide(job)
-        samples.append(time.perf_counter_ns() - t0)
-    decision = planner.decision()
+    with gc_paused():  # as the leader runs a pass (leader/gc_pause.py)
+        ordered = in_order(jobs)
+        planner = Planner(workers, NOW, policy, pending=ordered, memo=memo)
+        samples = []
+        for job in ordered:
+            t0 = time.perf_counter_ns()
+            planner.decide(job)
+            samples.append(time.perf_counter_ns() - t0)
+        decision = planner.decision()
     total = time.perf_counter() - start
     counts = {
         "assigned": len(decision.assignments),
@@ -169,25 +193,26 @@ def one_pass(
 
 def run(
     n_workers: int, n_jobs: int, *, busy: bool, seed: int = 7, memory: bool = False,
-    profile: int = 0,
+    profile: int = 0, policy: Policy = LIVE,
 ) -> dict[str, Any]:  # fmt: skip
     rng = random.Random(seed)
     workers, jobs = fleet(n_workers, rng, busy=busy), pending(n_jobs, rng)
     memo = Memo()
-    one_pass(workers, jobs, memo)  # warm: capability keys and "ever" answers
-    samples, total, counts = one_pass(workers, jobs, memo)
+    one_pass(workers, jobs, memo, policy)  # warm: capability keys and "ever" answers
+    samples, total, counts = one_pass(workers, jobs, memo, policy)
     samples.sort()
     extra: dict[str, Any] = {
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        "rss_mb": psutil.Process(os.getpid()).memory_info().rss / 2**20,
+        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     if memory:
         tracemalloc.start()
-        one_pass(workers, jobs, memo)
+        one_pass(workers, jobs, memo, policy)
         extra["pass_peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
         tracemalloc.stop()
     if profile:
         prof = cProfile.Profile()
-        prof.runcall(one_pass, workers, jobs, memo)
+        prof.runcall(one_pass, workers, jobs, memo, policy)
         pstats.Stats(prof).sort_stats("cumulative").print_stats(profile)
     return {
         "workers": n_workers,
@@ -211,17 +236,40 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="tracemalloc peak of one pass")
     parser.add_argument("--profile", type=int, default=0, help="cProfile: top N functions")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--plot", metavar="FILE.png", help="pass and decision time vs workers")
+    parser.add_argument("--out", metavar="FILE.json", help="write the rows as JSON")
+    parser.add_argument(
+        "--estimate-depth", type=int, default=LIVE.estimate_depth,
+        help="ojs_ml_estimate_depth (the live default); -1: estimate every blocked job",
+    )  # fmt: skip
     args = parser.parse_args()
+    depth = None if args.estimate_depth < 0 else args.estimate_depth
+    policy = replace(LIVE, estimate_depth=depth)
     rows = []
     for n in args.workers:
         for kind in args.fleets:
-            row = run(n, args.jobs, busy=kind == "busy", memory=args.memory, profile=args.profile)
-            rows.append(row)
+            row = run(
+                n, args.jobs, busy=kind == "busy", memory=args.memory, profile=args.profile,
+                policy=policy,
+            )  # fmt: skip
+            rows.append({**row, "estimate_depth": depth})
             if not args.json:
                 print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from bench.replay_plot import scheduler_plot
+
+        scheduler_plot(rows, args.plot)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
+    print_table(rows)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
     head = f"{'workers':>7} {'fleet':>5} {'median':>9} {'p99':>9} {'max':>9} {'pass':>8}"
     print(head + "   assigned reserved preempting estimated waiting")
     for r in rows:
@@ -229,7 +277,9 @@ def main() -> None:
             f"{r['workers']:>7} {r['fleet']:>5} {r['median_us']:>7.1f}us {r['p99_us']:>7.1f}us"
             f" {r['max_us']:>7.0f}us {r['pass_s']:>7.2f}s   {r['assigned']:>8} {r['reserved']:>8}"
             f" {r['preempting']:>10} {r['estimated']:>9} {r['waiting']:>7}"
-            f"  rss {r['max_rss_mb']:.0f} MB peak {r.get('pass_peak_mb', 0):.0f} MB {r['digest']}"
+            f"  rss {r['rss_mb']:.0f} MB (max {r['max_rss_mb']:.0f})"
+            + (f" pass peak {r['pass_peak_mb']:.0f} MB" if "pass_peak_mb" in r else "")
+            + f" {r['digest']}"
         )
     print("target: median <= 1000 us per decision at 1,000 workers")
 

@@ -173,6 +173,13 @@ def render_location(found: dict[str, Any], now: float) -> str:
         return f"{tid} is held on {found['worker']} (band {found.get('band')}): {found['reason']}"
     if state == "queued":
         return queued.render_queued(found)
+    if state == "dead":
+        last = found.get("last_checkpoint") or {}
+        resume = f"epoch {last.get('epoch')}" if last else "the start (no checkpoint)"
+        return (
+            f"{tid} was dead-lettered: {found.get('reason')}; "
+            f"`celery ojs-ml dead --retry {tid}` re-publishes it, from {resume}"
+        )
     where = found.get("note") or "nor is it in a requirement-class queue"
     return (
         f"{tid} is unknown: no pending record, and no answering ojs-ml worker runs or holds it, "

@@ -25,6 +25,7 @@ from celery_ojs_ml.cli.queued import find_granted, find_queued, live_fleet
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
 from celery_ojs_ml.matching import pending_message, rank
 from celery_ojs_ml.spec.documents import requirements_doc
+from celery_ojs_ml.store.deadletter import dead_job
 
 if TYPE_CHECKING:  # Celery is imported when a live verb runs, so offline verbs start fast
     from celery_ojs_ml.plugin import OJSML
@@ -109,6 +110,15 @@ def explain(
         _explain_task(plugin, target, timeout, as_json)
 
 
+def _dead_letter(plugin: OJSML, task_id: str) -> dict[str, Any] | None:
+    """A dead-lettered job as `explain` shows it: state `dead`, with its reason."""
+    record = dead_job(plugin.store, task_id)
+    if record is None:
+        return None
+    keep = ("name", "reason", "last_checkpoint", "at", "retries")
+    return {"task_id": task_id, "state": "dead", "worker": None, **{k: record.get(k) for k in keep}}
+
+
 def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) -> None:
     try:
         report = fleet_view.gather(plugin, timeout)
@@ -124,6 +134,8 @@ def _explain_task(plugin: OJSML, task_id: str, timeout: float, as_json: bool) ->
             found["note"] = f"queued messages were not searched: {exc}"
         except Exception as exc:
             raise _fail("cannot search the class queues", exc) from None
+    if found["state"] == "unknown":
+        found = _dead_letter(plugin, task_id) or found
     click.echo(_dump(found) if as_json else fleet_view.render_location(found, report["time"]))
     sys.exit(EXIT_INVALID if found["state"] == "unknown" else EXIT_OK)
 

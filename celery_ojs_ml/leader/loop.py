@@ -36,6 +36,7 @@ from .delivery import Delivery
 from .departed import Departed
 from .fair_usage import FairUsage
 from .gangs import record_members, rendezvous
+from .gc_pause import gc_paused
 from .granting import Granting
 from .intake import Intake
 from .lane import Lane
@@ -69,6 +70,7 @@ def _policy(s: Any) -> Policy:
         budgets=found.budgets,
         weights=found.weights,
         fair_share_half_life_s=found.fair_share_half_life_s,
+        estimate_depth=found.estimate_depth,
     )
 
 
@@ -271,10 +273,11 @@ class FleetScheduler:
         tended = self.reservations.tend(state.now) if state.reserving else {}
         held = pools_of(tended, state.live, self.parser.check.parse, state.now)
         began = time.monotonic()
-        state.decision = schedule(
-            waiting, [*state.fleet, *away], state.now, policy, memo=self.memo,
-            inflight=state.inflight, pools=held, usage=state.usage,
-        )  # fmt: skip
+        with gc_paused():
+            state.decision = schedule(
+                waiting, [*state.fleet, *away], state.now, policy, memo=self.memo,
+                inflight=state.inflight, pools=held, usage=state.usage,
+            )  # fmt: skip
         inputs.decided(time.monotonic() - began)
         state.jobs = {j.task_id: j for j in waiting}
 

@@ -157,6 +157,7 @@ class Planner:
         self._preemptions: list[Preemption] = []
         self._waiting: list[_Waiting] = []
         self._reserved = 0
+        self._estimated = 0
         self.orders: dict[str, OrderKey] = {}
         """Fair-share order keys by task id (`scheduler.fair`); others keep fleet order."""
         self.escalated: dict[str, str] = {}
@@ -276,7 +277,7 @@ class Planner:
 
     def _reserve_or_estimate(self, ask: Ask) -> None:
         firm = self._reserved < self.policy.reservation_depth
-        found = self.estimator.exact(ask) if firm else self.estimator.soonest(ask)
+        found = self.estimator.exact(ask) if firm else self._estimate(ask)
         preemptible_at = self._preemptible_at(ask)  # before its own hold makes the worker taken
         if firm:
             self._reserved += 1
@@ -292,6 +293,15 @@ class Planner:
             self._waiting.append(_Waiting(ask, None, None))
         waiting = self._waiting[-1]
         waiting.t_estimate = _sooner(waiting.t_estimate, preemptible_at)
+
+    def _estimate(self, ask: Ask) -> tuple[float, Slot] | None:
+        """The soonest start of a job past the reserved ones, for the first
+        `estimate_depth` of them (`Policy.estimate_depth`); None past that."""
+        depth = self.policy.estimate_depth
+        if depth is not None and self._estimated >= depth:
+            return None
+        self._estimated += 1
+        return self.estimator.soonest(ask)
 
     def _preemptible_at(self, ask: Ask) -> float | None:
         """When victims now too young would let the job preempt, plus the grace period."""

@@ -240,6 +240,12 @@ class Policy:
     fair_share_half_life_s: float = 0.0
     """`ojs_ml_fair_share_half_life_s`: with weights, fair order also counts each queue's
     GPU use decayed with this half-life (`scheduler.usage`); 0: no memory."""
+    estimate_depth: int | None = None
+    """`ojs_ml_estimate_depth`: how many blocked jobs, first in order and after the
+    reserved ones, get a start estimate (a shadow hold); the rest wait with
+    `t_estimate` None, as Slurm's backfill tests only `bf_max_job_test` jobs. Estimates
+    never bind backfill, so this changes no assignment, reservation or preemption; it
+    bounds the pass's cost with a long backlog. None: every job."""
     queue_depth: int | None = None
     """Decide only the first this many waiting jobs in (fair) order; None: all of them.
     The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""
@@ -259,6 +265,7 @@ class Policy:
             "locality_weight",
             "deny_unsatisfiable",
             "fair_share_half_life_s",
+            "estimate_depth",
         )
         found: dict[str, Any] = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
         policies = getattr(settings, "queue_policies", None) or {}

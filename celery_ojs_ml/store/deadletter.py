@@ -65,6 +65,12 @@ def dead_letter(store: OJSStore, job: dict[str, Any], reason: str) -> dict[str, 
     return record
 
 
+def dead_job(store: OJSStore, task_id: str) -> dict[str, Any] | None:
+    """The dead-letter record of one job, or None when it is not dead-lettered."""
+    raw = store.client.get(store.key("dead", task_id))
+    return None if not raw else dict(json.loads(raw))
+
+
 def dead_jobs(store: OJSStore) -> list[dict[str, Any]]:
     """Every dead-lettered job, oldest first."""
     names: list[Any] = store.client.zrange(store.key("dead-index"), 0, -1)

@@ -123,6 +123,9 @@ class OJSMLSettings(BaseModel):
     """An assignment its worker has not taken within this is taken back and reassigned."""
     scheduler_interval_s: float = Field(default=0.5, gt=0, le=60)
     """Longest gap between two scheduling passes (wake-ups start one at once)."""
+    estimate_depth: int = Field(default=2000, ge=0, le=1_000_000)
+    """How many blocked jobs, first in fleet order, a full pass gives a start estimate
+    (Slurm's bf_max_job_test); the rest wait with `t_estimate` unknown."""
     queue_depth: int = Field(default=100, ge=1, le=1_000_000)
     """How many waiting jobs, first in fleet (or fair) order, a pass decides between full
     passes (Slurm's default_queue_depth); the rest wait for the next full pass."""

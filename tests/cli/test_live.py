@@ -30,6 +30,7 @@ from click.testing import CliRunner, Result
 
 from celery_ojs_ml.capabilities import capabilities_to_dict, resolve_capabilities
 from celery_ojs_ml.cli.main import cli
+from celery_ojs_ml.store.deadletter import dead_letter
 from celery_ojs_ml.store.registry import OJSStore
 from tests.helpers import ROOT
 from tests.integration.mlapp import make_app
@@ -392,3 +393,16 @@ def test_submit_of_an_unreadable_file_exits_2(fleet: Fleet, tmp_path: Path) -> N
     result = invoke(fleet, "submit", path)
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: {path} is neither valid JSON nor YAML")
+
+
+def test_explain_a_dead_lettered_task_gives_its_reason_and_how_to_retry(fleet: Fleet) -> None:
+    reason = "denied: no live worker could run it for 300 s (RFC 27 deny)"
+    dead_letter(fleet.store, {"task_id": "dead-job-1", "name": "ml.record"}, reason)
+    result = invoke(fleet, "explain", "dead-job-1", "--timeout", "0.5")
+    assert result.exit_code == 0, result.stdout
+    assert result.stdout.strip() == (
+        f"dead-job-1 was dead-lettered: {reason}; `celery ojs-ml dead --retry dead-job-1` "
+        "re-publishes it, from the start (no checkpoint)"
+    )
+    shown = json.loads(invoke(fleet, "explain", "dead-job-1", "--json").stdout)
+    assert (shown["state"], shown["reason"]) == ("dead", reason)

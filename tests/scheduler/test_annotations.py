@@ -146,3 +146,25 @@ def test_the_worked_example_of_docs_scheduling_md() -> None:
         "1 reserved for big",
         "t_estimate": 1_700_015_600.0,
     }
+
+
+def test_only_the_first_estimate_depth_jobs_after_the_reservation_get_an_estimate() -> None:
+    fleet = [
+        worker("w8", jobs=[running("a", started=NOW, limit=100, gpu_count=8)]),
+        worker("w8b", jobs=[running("b", started=NOW, limit=900, gpu_count=7)]),
+    ]
+    pending = [job(f"j{i}", at=i, gpu_count=8, limit=50) for i in range(5)]
+    pending.append(job("small", at=9, gpu_count=1, limit=10_000))
+    every = decide(pending, fleet)
+    capped = decide(pending, fleet, estimate_depth=2)
+    assert [every.annotations[f"j{i}"].t_estimate for i in range(5)] == [
+        NOW + 100, NOW + 150, NOW + 200, NOW + 250, NOW + 300,
+    ]  # fmt: skip
+    # j0 holds the reservation; j1 and j2 are the two estimated; j3, j4 are past the depth
+    assert [capped.annotations[f"j{i}"].t_estimate for i in range(5)] == [
+        NOW + 100, NOW + 150, NOW + 200, None, None,
+    ]  # fmt: skip
+    # estimates never bind backfill: what starts, and where, is the same
+    assert capped.assignments == every.assignments
+    assert [a.task_id for a in capped.assignments] == ["small"]
+    assert capped.reservations == every.reservations
