@@ -3,9 +3,13 @@
     net = model(self, ("resnet", "v2"), lambda: load_resnet(PATH), path=PATH)  # once per child
 
 Key decisions: a warm pool child keeps its CUDA context between tasks, so it keeps the
-models it loaded too, keyed by (model id, version) and evicted least recently used
-(`evict`). After each change the child writes what it holds to the store (`publish`),
-so the scheduler's locality term (§11.3) and the gate see live facts within a heartbeat.
+models it loaded too, keyed by (model id, version) and evicted least recently used.
+Eviction comes before the loader runs (`make_room`): a model that declares `vram_gb`
+gets room within the job's VRAM budget (`vram_budget`) before it allocates, so two
+models never sit on the device together past the budget, and one that cannot fit alone
+fails the job before loading (`ModelTooLarge`). After each change the child writes what
+it holds to the store (`publish`), so the scheduler's locality term (§11.3) and the gate
+see live facts within a heartbeat.
 When the job gives `ext_ml_model_checksum`, the model's file (`path=`, else the job's
 model URI) is verified before the loader runs, and again for every later job that
 gives one; the digest is computed once per file (`model_files.verify_cached`), and a
@@ -16,14 +20,18 @@ Layout: `<prefix>:{ml}:models:<worker>`  hash  child pid -> JSON {devices, model
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery_ojs_ml.child.model_files import CHECKSUM, job_model_file, job_value, verify_cached
+from celery_ojs_ml.child.sharing import share_of
+from celery_ojs_ml.errors import OJSMLError
 from celery_ojs_ml.wire import headers as h
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,10 @@ _CACHE: OrderedDict[Key, tuple[Any, float | None]] = OrderedDict()
 _STATS = {"loads": 0, "hits": 0}
 _UNVERIFIED: set[Key] = set()
 """Models whose checksum could not be verified (no file known), warned about once."""
+
+
+class ModelTooLarge(OJSMLError):
+    """A model's declared `vram_gb` exceeds the VRAM its job's model cache may hold."""
 
 
 def _key(key: Any) -> Key:
@@ -55,6 +67,8 @@ def model(
 
     `path` is the file the loader reads; with the job's `ext_ml_model_checksum` it is
     verified before the model is loaded or served (`ChecksumMismatch` fails the job).
+    `vram_gb` is the model's VRAM: models are evicted to make room for it before the
+    loader runs, and one that cannot fit alone raises `ModelTooLarge`.
     """
     k = _key(key)
     _verify(task, k, path)
@@ -63,14 +77,16 @@ def model(
         _CACHE.move_to_end(k)
         _STATS["hits"] += 1
         return hit[0]  # type: ignore[no-any-return]
+    settings = _settings(task)
+    size = int(getattr(settings, "model_cache_size", 2))
+    budget = vram_budget(task)
+    _fits_alone(k, vram_gb, budget)
+    if make_room(size - 1, None if budget is None else budget - (vram_gb or 0.0)):
+        _release_freed()
     value = loader()
     _STATS["loads"] += 1
     _CACHE[k] = (value, vram_gb)
-    settings = _settings(task)
-    evict(
-        int(getattr(settings, "model_cache_size", 2)),
-        getattr(settings, "model_cache_vram_gb", None),
-    )
+    evict(size, budget)
     publish(task)
     return value
 
@@ -93,21 +109,80 @@ def _verify(task: Any, k: Key, path: str | os.PathLike[str] | None) -> None:
     verify_cached(file, str(expected))
 
 
-def evict(max_models: int, max_vram_gb: float | None) -> list[Key]:
-    """Drop least recently used models past the bounds (never the most recent one).
-
-    The bounds are a count (`ojs_ml_model_cache_size`) and, when loaders declare
-    `vram_gb`, declared VRAM (`ojs_ml_model_cache_vram_gb`). The model just loaded is
-    never evicted to make room for itself.
-    """
+def make_room(max_models: int, max_vram_gb: float | None) -> list[Key]:
+    """Drop least recently used models until at most `max_models` remain and their
+    declared VRAM is at most `max_vram_gb` (None: no VRAM bound); the dropped keys."""
     gone = []
-    while len(_CACHE) > 1 and (
+    while _CACHE and (
         len(_CACHE) > max_models or (max_vram_gb is not None and _vram() > max_vram_gb)
     ):
         k, _ = _CACHE.popitem(last=False)
         gone.append(k)
         log.info("ojs-ml: evicted model %s@%s from pool child %s", k[0], k[1], os.getpid())
     return gone
+
+
+def evict(max_models: int, max_vram_gb: float | None) -> list[Key]:
+    """Drop least recently used models past the bounds, never the most recent one.
+
+    After a load this catches what `make_room` could not know before it: models that
+    declared no `vram_gb`, and a budget that a loader without `vram_gb` pushed past.
+    """
+    gone = []
+    while len(_CACHE) > 1 and (
+        len(_CACHE) > max_models or (max_vram_gb is not None and _vram() > max_vram_gb)
+    ):
+        gone += make_room(len(_CACHE) - 1, None)
+    return gone
+
+
+def vram_budget(task: Any) -> float | None:
+    """The VRAM, GB, this child's cached models may declare together while `task` runs.
+
+    The smaller of `ojs_ml_model_cache_vram_gb` and the VRAM the job holds: its GPU
+    share's `memory_gb`, else `ext_ml_gpu_memory_gb` times its GPU count. None when
+    neither is known (count bound only).
+    """
+    bounds = [getattr(_settings(task), "model_cache_vram_gb", None), _job_vram_gb(task)]
+    known = [float(b) for b in bounds if isinstance(b, (int, float)) and b > 0]
+    return min(known) if known else None
+
+
+def _job_vram_gb(task: Any) -> float | None:
+    share = share_of(task)
+    if share is not None:
+        found = share.get("memory_gb")
+        return float(found) if isinstance(found, (int, float)) else None
+    per_device = job_value(task, "ext_ml_gpu_memory_gb")
+    if not isinstance(per_device, (int, float)) or isinstance(per_device, bool):
+        return None
+    count = job_value(task, "ext_ml_gpu_count")
+    devices = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 1
+    return float(per_device) * devices
+
+
+def _fits_alone(k: Key, vram_gb: float | None, budget: float | None) -> None:
+    if vram_gb is None or budget is None or vram_gb <= budget:
+        return
+    raise ModelTooLarge(
+        f"model {k[0]}@{k[1] or '-'} declares vram_gb={vram_gb:g} but this job's model cache "
+        f"holds at most {budget:g} GB (the smaller of ojs_ml_model_cache_vram_gb and the "
+        "job's ext_ml_gpu_memory_gb or GPU share); raise ojs_ml_model_cache_vram_gb or ask "
+        f'for more VRAM, e.g. "ext_ml_gpu_memory_gb": {vram_gb:g}'
+    )
+
+
+def _release_freed() -> None:
+    """Let the memory of evicted models go before the next loader allocates: collect
+    reference cycles and, where torch already runs CUDA here, return its cached blocks."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_initialized():
+            cuda.empty_cache()
+    except Exception as exc:  # best effort: the loader still runs
+        log.debug("ojs-ml: torch.cuda.empty_cache failed: %s", exc)
 
 
 def _vram() -> float:

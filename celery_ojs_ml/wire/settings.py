@@ -139,7 +139,8 @@ class OJSMLSettings(BaseModel):
     model_cache_size: int = Field(default=2, ge=1, le=1000)
     """Models one pool child keeps loaded (`ml.model`), least recently used evicted first."""
     model_cache_vram_gb: float | None = Field(default=None, gt=0)
-    """Declared VRAM (`vram_gb=`) one pool child's models may add up to; None: no bound."""
+    """Declared VRAM (`vram_gb=`) one pool child's models may add up to, and at most the
+    running job's VRAM; None: the job's VRAM only (child/models.py evicts before loading)."""
     fair_share: dict[str, float] = Field(default_factory=dict)
     """Queue -> weight: GPUs are shared between competing queues in proportion to their
     weights (weighted max-min within each band; unlisted queues weigh 1)."""

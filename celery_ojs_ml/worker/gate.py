@@ -7,7 +7,7 @@ Key decisions:
 * A job that does not fit now is held (or given back to the scheduler with a
   reason); one that can never run here is refused with the reason (`refusal`).
 * Devices are freed from instance-level `on_success`/`on_failure`/`on_timeout`
-  wrappers keyed by the Request object, then held jobs are pumped.
+  wrappers keyed by the Request object, then held jobs are pumped (`gate_release`).
 * Per job, nothing is looked up through another layer: what the gate calls on
   its collaborators is bound once, when the gate is built.
 """
@@ -15,12 +15,9 @@ Key decisions:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
-
-from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities
@@ -33,6 +30,7 @@ from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.assigned import Assignments, token_of, victims_of
 from celery_ojs_ml.worker.cpu_cores import assign_host
+from celery_ojs_ml.worker.gate_release import GateRelease
 from celery_ojs_ml.worker.granted import Grants, epoch_of
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions
@@ -44,7 +42,7 @@ from celery_ojs_ml.worker.telemetry import started as started_event
 log = logging.getLogger("celery_ojs_ml.worker.core")
 
 
-class Gate:
+class Gate(GateRelease):
     """The gate of one consumer (see module doc)."""
 
     def __init__(
@@ -83,6 +81,7 @@ class Gate:
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
         self.batching: Any = None  # dynamic batching (`batching.Batcher`), set by `core`
         self._pump_due = False
+        self._pumping = False
         self._orig_handler: Callable[[Any], Any] = consumer.on_task_request
         consumer.on_task_request = self.on_task_request
 
@@ -99,12 +98,15 @@ class Gate:
         if ml is None:
             return self._orig_handler(req)
         try:
-            return self._gate(req, ml)
+            found = self._gate(req, ml)
         except Exception as exc:  # never out of on_task_received: it would stop the consumer
             log.exception("ojs-ml: the gate failed on %s", req.id)
             with self.lock:
                 self.allocator.free(req)
             return self.refuse(req, f"the worker's gate failed: {exc!r}")
+        if self.router is not None:
+            self.router.write_now()  # a job dispatched here reaches its child at once
+        return found
 
     def _gate(self, req: Any, ml: MLRequirements) -> Any:
         headers = req.request_dict
@@ -260,134 +262,6 @@ class Gate:
             self.store.clear_pending(task_id)
         except Exception as exc:
             log.warning("ojs-ml: could not clear the pending record of %s: %s", task_id, exc)
-
-    def _releasing(self, req: Any, original: Any) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.release(req)
-
-        return wrapped
-
-    def _timeout_releasing(self, req: Any, original: Any) -> Any:
-        def wrapped(soft: bool, timeout: float) -> Any:
-            try:
-                return original(soft, timeout)
-            finally:
-                if not soft:
-                    self.release(req)
-
-        return wrapped
-
-    def release(self, req: Any) -> None:
-        """Free a finished job's allocation, then start held jobs that now fit."""
-        self.preemptions.finished(req)
-        self.devices_by_id.pop(req.id, None)
-        if self.router is not None:
-            self.router.finished(req.id)
-        self.requests.pop(req.id, None)
-        _unwrap(req)
-        running = self.running
-        with self.lock:
-            running.fenced.discard(req)
-            running.stopping.discard(req)
-            if self.allocator.free(req) is None:
-                return
-            token = running.tokens.pop(req, None)
-        if token is not None:
-            self._release_lease(req.id, token)
-        if running.unacked.pop(req, False):
-            self._ack(req)  # its lease could not be written: the message held it
-        log.debug("ojs-ml: released %s", req.id)
-        self._pump_soon()
-        # After the pump: a held job starts without waiting for the wake-up's round trips,
-        # and the advertisement then already counts it.
-        with self.lock:
-            quiet = self.grants.quiet_release(req)
-        if not quiet:
-            self.wake_scheduler()
-
-    def _pump_soon(self) -> None:
-        """`pump` on the event loop's next turn (one pump serves every release of a
-        turn), or now where there is no loop (a thread other than the loop's)."""
-        hub = getattr(self.c, "hub", None)
-        if hub is not None and threading.current_thread() is threading.main_thread():
-            if not self._pump_due:
-                self._pump_due = True
-                hub.call_soon(self.pump)
-        else:
-            self.pump()
-
-    def pump(self) -> None:
-        """Start held jobs that fit now, in band, priority and FIFO order (granted ones
-        only while their grant holds: `recheck_grants`)."""
-        if self.grants.granted_held:
-            self.grants.recheck_grants()
-        with self.lock:
-            self._pump_due = False
-            for alloc in self.allocator.pump():
-                req: Any = alloc.key
-                self.hold_until.pop(req, None)
-                if req in self.grants.granted_held:
-                    self.grants.granted_started = time.monotonic()
-                self.leave_hold(req)
-                if req.revoked():
-                    self.allocator.free(req)
-                    continue
-                self._dispatch(req, alloc)
-            self.resubscribe()
-
-    def leave_hold(self, req: Any) -> None:
-        granted_held = self.grants.granted_held
-        if req in granted_held:  # held inside the prefetch limit (`hold_granted`)
-            granted_held.discard(req)
-            return
-        self.c.qos.decrement_eventually()
-
-    def _requeue(self, req: Any) -> None:
-        worker_state.task_ready(req)
-        req.reject(requeue=True)
-
-    def expire_holds(self) -> None:
-        """Requeue messages held longer than `ojs_ml_max_hold_s` (well below broker timeouts);
-        give back granted ones held longer than `ojs_ml_grant_wait_s` (`expire_granted`)."""
-        self.grants.expire_granted()
-        with self.lock:
-            now = time.monotonic()
-            for pending in self.allocator.expired(self.settings.max_hold_s):
-                req: Any = pending.key
-                if self.hold_until.get(req, 0.0) > now:
-                    self.allocator.hold(pending)  # still waiting for its victims to yield
-                    continue
-                self.hold_until.pop(req, None)
-                if req in self.grants.granted_held:
-                    self.leave_hold(req)
-                    self.grants.give_back_granted(req, f"held too long: {pending.reason}")
-                    continue
-                self.leave_hold(req)
-                if token_of(req) is not None:
-                    self.assignments.give_back(req, f"held too long: {pending.reason}")
-                    continue
-                log.info("ojs-ml: %s held too long (%s); requeueing", req.id, pending.reason)
-                self._requeue(req)
-            if not self.allocator.held():
-                self.resubscribe()
-
-
-_WRAPPED = ("on_success", "on_failure", "on_timeout")
-"""The request's callbacks `_dispatch` wraps: closures that hold the request."""
-
-
-def _unwrap(req: Any) -> None:
-    """Drop a finished request's wrapped callbacks. Each closure holds the request that
-    holds it: a reference cycle that kept the request, its message and its promises
-    alive until the cyclic collector ran (a gen-0 collection every few jobs in a
-    burst). The pool already holds the callbacks it will call."""
-    found = getattr(req, "__dict__", None)
-    if found is not None:
-        for name in _WRAPPED:
-            found.pop(name, None)
 
 
 def band_priority(headers: dict[str, Any]) -> int:

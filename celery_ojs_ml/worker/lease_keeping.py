@@ -12,6 +12,7 @@ Key decisions:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from billiard.exceptions import Terminated
@@ -74,6 +75,8 @@ class LeaseKeeper:
         self.store: OJSStore = None  # type: ignore[assignment]
         self.leases: LeaseBook = None  # type: ignore[assignment]
         self.writer: LeaseWriter = None  # type: ignore[assignment]
+        self._collecting = threading.local()
+        """`acks`: where `_lease_written` puts the acks of a `release_lease` call."""
 
     def open(self, store: OJSStore, deferrer: Any, hub: Any) -> None:
         """At every consumer start: the lease book and a writer on this event loop."""
@@ -127,8 +130,13 @@ class LeaseKeeper:
         self.writer.forget(granted_jobs.key(self.store, self.hostname), task_id)
 
     def _lease_written(self, req: Any, ok: bool) -> None:
-        """The lease of `req` exists (or it ended first): ack; else the message holds it."""
+        """The lease of `req` exists (or it ended first): ack (or leave the ack to the
+        `release_lease` caller that collects it); else the message holds it."""
         if ok:
+            acks: list[Any] | None = getattr(self._collecting, "acks", None)
+            if acks is not None:
+                acks.append(req)
+                return
             self.ack(req)
             return
         log.warning("ojs-ml: no lease for %s; its broker message holds it until it ends", req.id)
@@ -355,6 +363,13 @@ class LeaseKeeper:
         except Exception as err:
             log.warning("ojs-ml: could not dead-letter %s: %s", req.id, err)
 
-    def release_lease(self, task_id: str, token: str) -> None:
-        """A job ended: its lease goes with the writer's next batch."""
-        self.writer.release(task_id, token)
+    def release_lease(self, task_id: str, token: str, acks: list[Any] | None = None) -> None:
+        """A job ended: its lease goes with the writer's next batch. Its message, when
+        not acked yet (the job ended before its lease was due), is acked now, or with
+        `acks` put there for the caller to `ack` (the gate does once it has started the
+        next job: an ack is a broker round trip)."""
+        self._collecting.acks = acks
+        try:
+            self.writer.release(task_id, token)
+        finally:
+            self._collecting.acks = None

@@ -144,6 +144,18 @@ class Router:
             self.original([fd], *args, **kwargs)
         return None
 
+    def write_now(self) -> None:
+        """Route and write the waiting jobs to idle children now, as the loop's next poll
+        would (the gate calls it when it dispatched a job: the job reaches its child
+        without waiting for the rest of the loop's turn). A pipe that cannot take the
+        whole job now gets the rest when the loop sees it writable, as on that path."""
+        if not internals.outbound(self.pool):
+            return
+        try:
+            self.schedule(internals.idle(self.pool, internals.pipes(self.pool)))
+        except Exception as exc:  # the loop's own write path tries again at its next poll
+            log.warning("ojs-ml: could not write a job to a pool child now: %r", exc)
+
     def _choose(self, job: Any, idle: list[int]) -> int | None:
         task_id = str(getattr(job, "correlation_id", ""))
         devices = self.devices_of(task_id)
