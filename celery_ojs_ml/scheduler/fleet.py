@@ -21,6 +21,7 @@ from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
 from celery_ojs_ml.scheduler.drains import Drains
 from celery_ojs_ml.scheduler.model import PendingJob, Policy, RunningJob, WorkerState
+from celery_ojs_ml.scheduler.nofit import NoFit
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, placement
 from celery_ojs_ml.scheduler.slot import Hold, Shape, Slot
@@ -118,6 +119,8 @@ class FleetView:
         self._verdicts: dict[tuple[str, int, Shape], MatchResult] = {}
         self._scores: dict[tuple[Hashable, ...], PlacementScore] = {}
         self._frees: dict[Shape, FreeCapacity] = {}
+        self.nofit = NoFit()
+        """Jobs known not to fit now (`scheduler.nofit`)."""
         self._group_all()
 
     def _group_all(self) -> None:
@@ -203,6 +206,8 @@ class FleetView:
         the worker whose jobs end latest, up to the job's own end (`aligned`), then
         to a worker without a reservation, then to the first in the fleet.
         """
+        if self.nofit.known(ask):
+            return None
         best: tuple[bool, float, float, bool, int] | None = None
         found: tuple[Slot, PlacementScore] | None = None
         for group in self.eligible(ask.job):
@@ -211,6 +216,8 @@ class FleetView:
                 rank = (starts, score.total, aligned(slot, ask.end), not slot.reserved, -slot.idx)
                 if best is None or rank > best:
                     best, found = rank, (slot, score)
+        if found is None:
+            self.nofit.record(ask)
         return found
 
     def _candidates(self, ask: Ask, group: Group) -> list[tuple[Slot, PlacementScore]]:
@@ -313,6 +320,7 @@ class FleetView:
 
     def preempt(self, slot: Slot, victims: list[RunningJob]) -> None:
         """Count `victims` on `slot` as gone after their grace period (its drain time moves)."""
+        self.nofit.forget()
         self._unbucket(slot)
         slot.preempt(victims)
         self._rebucket(slot)
