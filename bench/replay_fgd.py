@@ -220,15 +220,16 @@ def project_policy(workload: Workload) -> Chooser:
 
     def choose(cluster: Cluster, kind: Kind, kid: int, options: list[Option]) -> Option:
         cpu, mem, count, milli, _ = kind
-        want = (float(count), float(cpu), float(mem), 0.0)
+        want = (float(count), float(cpu), float(mem), 0.0, 1.0)
         best, found = None, options[0]
         for option in options:
             group = option[0]
             total = group.score.get(kid)
             if total is None:
                 model, cpu_free, mem_free, gpus = group.state
-                free = (float(sum(1 for g in gpus if g >= FULL)), cpu_free, mem_free, INF)
-                totals = (float(group.totals[2]), group.totals[0], group.totals[1], 0.0)
+                whole = float(sum(1 for g in gpus if g >= FULL))
+                free = (whole, float(cpu_free), float(mem_free), INF, INF)
+                totals = (float(group.totals[2]), float(group.totals[0]), group.totals[1], 0.0, 0.0)
                 total = group.score[kid] = placement(
                     want,
                     free,
@@ -251,11 +252,21 @@ def project_policy(workload: Workload) -> Chooser:
 
 def workload_of(pods: Sequence[Pod], nodes: Sequence[Node]) -> Workload:
     """The scheduler's workload for the trace: every kind of pod, as the live pass builds it."""
+    models: dict[str, int] = {}
+    for n in nodes:
+        models[n.model] = models.get(n.model, 0) + n.gpus
     return Workload.of_kinds(
         (
-            FragKind(p.cpu_milli, p.num_gpu, p.gpu_milli if p.num_gpu else FULL, p.gpu_spec)
+            FragKind(
+                p.cpu_milli,
+                p.num_gpu,
+                p.gpu_milli if p.num_gpu else FULL,
+                p.gpu_spec,
+                p.memory_mib,
+            )
             for p in pods
         ),
         largest=8,
         sizes={n.gpus for n in nodes},
+        models=models,
     )

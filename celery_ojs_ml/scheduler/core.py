@@ -50,7 +50,7 @@ from celery_ojs_ml.scheduler.pools import (
     with_pools,
 )
 from celery_ojs_ml.scheduler.preempt import Preemptor
-from celery_ojs_ml.scheduler.score import PlacementScore, Workload
+from celery_ojs_ml.scheduler.score import PlacementScore, Workload, gpus_by_model
 from celery_ojs_ml.scheduler.settle import settling
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
 from celery_ojs_ml.scheduler.vectors import sum_of
@@ -140,7 +140,7 @@ class Planner:
         kinds: Counter[Kind] = Counter()
         for job, n in alike:
             kinds[kind_of(job)] += n
-        workload = Workload.of_counts(kinds, largest, sizes)
+        workload = Workload.of_counts(kinds, largest, sizes, gpus_by_model(w.caps for w in fleet))
         exact = any(names_worker(job.req) for job, _ in alike)
         self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
         self.estimator = Estimator(self.view)

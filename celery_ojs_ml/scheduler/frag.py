@@ -2,9 +2,10 @@
 
 Key decisions:
 
-* **A fragment is capacity a typical job cannot use** (`fragment`). The worker's
-  fragmentation is the expectation over the workload (`Mix`: each kind with its
-  share of jobs).
+* **A fragment is capacity a typical job cannot use** (`fragment`), for want of
+  GPUs, CPU, memory or the right GPU model. The worker's fragmentation is the
+  expectation over the workload (`Mix`: each kind with its share of jobs, a kind
+  that may use only a scarce GPU model weighing more, `by_access`).
 * **Per GPU.** Free capacity is a vector of milli-GPU per device
   (`allocator.sharing`), so a half-used GPU is a fragment for a whole-GPU job and
   not for a small share. A placement is scored by how much it grows fragmentation
@@ -15,8 +16,9 @@ Key decisions:
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from celery_ojs_ml.allocator.sharing import FULL, after, milli_of_fraction, milli_of_gb, place
@@ -38,6 +40,8 @@ class Kind:
     milli: int = FULL
     models: frozenset[str] = frozenset()
     """GPU models it accepts; empty accepts any."""
+    memory: float = 0.0
+    """Host memory, in the unit of the free memory it is compared with (GB live)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -72,7 +76,14 @@ class Mix:
         total = sum(counts.values())
         ranked = sorted(
             counts.items(),
-            key=lambda kc: (-kc[1], -kc[0].cpu, -kc[0].milli, -kc[0].gpus, sorted(kc[0].models)),
+            key=lambda kc: (
+                -kc[1],
+                -kc[0].cpu,
+                -kc[0].milli,
+                -kc[0].gpus,
+                sorted(kc[0].models),
+                -kc[0].memory,
+            ),
         )
         kept: list[tuple[Kind, int]] = []
         covered = 0
@@ -104,6 +115,29 @@ def with_sizes(mix: Mix, sizes: Iterable[int], weight: float = PRIOR_WEIGHT) -> 
     return Mix.interned(tuple(kinds))
 
 
+def by_access(mix: Mix, gpus_by_model: Mapping[str, int]) -> Mix:
+    """`mix` with each kind's share divided by the square root of the fleet's GPUs it may use.
+
+    FGD counts a worker whose GPU model a kind does not accept as all fragment for
+    that kind, so a job is drawn to the models that the most constrained jobs
+    refuse, however many GPUs those jobs have elsewhere; with the GPU-type
+    constraints of the trace (gpuspec33), unconstrained jobs filled the few
+    models that constrained jobs needed and those failed from 17 % load. Weighing
+    a kind by `1 / sqrt(share of the fleet's GPUs it accepts)` keeps the models
+    that few kinds may use for them (`bench/replay.py --mode fgd`, docs/performance.md).
+    `gpus_by_model`: the fleet's GPUs of each model; empty leaves `mix` as it is.
+    """
+    total = sum(gpus_by_model.values())
+    if not total or not any(k.models for k, _ in mix.kinds):
+        return mix
+    weighed = []
+    for kind, share in mix.kinds:
+        usable = sum(n for m, n in gpus_by_model.items() if not kind.models or m in kind.models)
+        weighed.append((kind, share / math.sqrt(max(usable, 1) / total)))
+    scale = sum(w for _, w in weighed)
+    return Mix.interned(tuple((k, w / scale) for k, w in weighed))
+
+
 _MIXES: dict[tuple[tuple[Kind, float], ...], Mix] = {}
 _MIXES_MAX = 256
 
@@ -120,19 +154,27 @@ def kind_of(job: PendingJob) -> Kind:
         milli = milli_of_fraction(share)
     gpus = 1 if share is not None else req.ext_ml_gpu_count or 0
     models = frozenset({req.ext_ml_gpu_type}) if req.ext_ml_gpu_type else frozenset()
-    return Kind(float(req.ext_ml_cpu_cores or 0), gpus, milli, models)
+    memory = float(req.ext_ml_memory_gb or 0)
+    return Kind(float(req.ext_ml_cpu_cores or 0), gpus, milli, models, memory)
 
 
-def fragment(model: str, cpu_free: float, gpus: Sequence[int], kind: Kind) -> int:
+def fragment(
+    model: str, cpu_free: float, gpus: Sequence[int], kind: Kind, mem_free: float = math.inf
+) -> int:
     """Milli-GPU of a worker in this state that a job of `kind` cannot use.
 
     All of its free milli-GPU when the kind cannot start there at all (too few GPUs
-    with enough milli left, too few CPU cores, a GPU model it does not accept, or no
-    GPU asked: a CPU-only job uses no GPU), else the milli left on the GPUs too full
-    for one of its GPUs.
+    with enough milli left, too few CPU cores or too little memory, a GPU model it
+    does not accept, or no GPU asked: a CPU-only job uses no GPU), else the milli
+    left on the GPUs too full for one of its GPUs.
     """
     left = sum(gpus)
-    if kind.gpus <= 0 or (kind.models and model not in kind.models) or kind.cpu > cpu_free:
+    if (
+        kind.gpus <= 0
+        or (kind.models and model not in kind.models)
+        or kind.cpu > cpu_free
+        or kind.memory > mem_free
+    ):
         return left
     usable = [g for g in gpus if g >= kind.milli]
     if len(usable) < kind.gpus:
@@ -140,18 +182,27 @@ def fragment(model: str, cpu_free: float, gpus: Sequence[int], kind: Kind) -> in
     return left - sum(usable)
 
 
-def fragmentation(model: str, cpu_free: float, gpus: Sequence[int], mix: Mix) -> float:
+def fragmentation(
+    model: str, cpu_free: float, gpus: Sequence[int], mix: Mix, mem_free: float = math.inf
+) -> float:
     """The worker's expected fragment over the workload `mix`, milli-GPU (memoised)."""
-    return _fragmentation(model, cpu_free, tuple(sorted(gpus)), mix)
+    return _fragmentation(model, cpu_free, mem_free, tuple(sorted(gpus)), mix)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _fragmentation(model: str, cpu_free: float, gpus: tuple[int, ...], mix: Mix) -> float:
-    return sum(share * fragment(model, cpu_free, gpus, kind) for kind, share in mix.kinds)
+def _fragmentation(
+    model: str, cpu_free: float, mem_free: float, gpus: tuple[int, ...], mix: Mix
+) -> float:
+    return sum(share * fragment(model, cpu_free, gpus, kind, mem_free) for kind, share in mix.kinds)
 
 
 def growth(
-    model: str, cpu_free: float, gpus: Sequence[int], want: Kind, mix: Mix
+    model: str,
+    cpu_free: float,
+    gpus: Sequence[int],
+    want: Kind,
+    mix: Mix,
+    mem_free: float = math.inf,
 ) -> tuple[float, tuple[int, ...]] | None:
     """How much placing `want` grows fragmentation, and the devices it takes; None if no fit.
 
@@ -163,5 +214,6 @@ def growth(
     if devices is None:
         return None
     rest = after(gpus, devices, want.milli)
-    now = fragmentation(model, cpu_free, gpus, mix)
-    return fragmentation(model, cpu_free - want.cpu, rest, mix) - now, devices
+    now = fragmentation(model, cpu_free, gpus, mix, mem_free)
+    later = fragmentation(model, cpu_free - want.cpu, rest, mix, mem_free - want.memory)
+    return later - now, devices

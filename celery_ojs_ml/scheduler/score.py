@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,7 @@ from celery_ojs_ml.allocator.sharing import FULL, after
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import NO_HINTS, FreeCapacity, Hints
 from celery_ojs_ml.matching import score as soft_score
-from celery_ojs_ml.scheduler.frag import Kind, Mix, growth, with_sizes
+from celery_ojs_ml.scheduler.frag import Kind, Mix, by_access, growth, with_sizes
 from celery_ojs_ml.scheduler.model import DEFAULT_POLICY, GpuAffinity, Policy
 from celery_ojs_ml.scheduler.vectors import INF, Vec, demand_of, from_free, totals_of
 from celery_ojs_ml.spec.resources import MLRequirements
@@ -50,18 +50,27 @@ class Workload:
 
     @classmethod
     def of_kinds(
-        cls, kinds: Iterable[Kind], largest: int = 8, sizes: Iterable[int] = ()
+        cls,
+        kinds: Iterable[Kind],
+        largest: int = 8,
+        sizes: Iterable[int] = (),
+        models: Mapping[str, int] | None = None,
     ) -> Workload:
         """The workload of these kinds of job, all of them (coverage 1: see docs/performance.md).
 
         `sizes`: the GPU counts of the fleet's workers, whose whole-worker jobs
-        keep a share of the mix (`frag.with_sizes`).
+        keep a share of the mix (`frag.with_sizes`). `models`: the fleet's GPUs
+        of each model, which weigh kinds limited to scarce models (`frag.by_access`).
         """
-        return cls.of_counts(Counter(kinds), largest, sizes)
+        return cls.of_counts(Counter(kinds), largest, sizes, models)
 
     @classmethod
     def of_counts(
-        cls, kinds: Counter[Kind], largest: int = 8, sizes: Iterable[int] = ()
+        cls,
+        kinds: Counter[Kind],
+        largest: int = 8,
+        sizes: Iterable[int] = (),
+        models: Mapping[str, int] | None = None,
     ) -> Workload:
         """`of_kinds` from each kind's number of jobs."""
         counts: Counter[int] = Counter()
@@ -70,12 +79,22 @@ class Workload:
                 counts[kind.gpus] += n
         total = sum(counts.values())
         shares = tuple(sorted((g, n / total) for g, n in counts.items())) if total else ()
-        mix = with_sizes(Mix.of(kinds, coverage=1.0), sizes)
+        mix = by_access(with_sizes(Mix.of(kinds, coverage=1.0), sizes), models or {})
         return cls(shares, max(largest, 1), mix)
 
     def fragment(self, free_gpus: float) -> float:
         """Expected GPUs of `free_gpus` that the next job cannot use (FGD's F)."""
         return free_gpus * sum(p for g, p in self.shares if g > free_gpus)
+
+
+def gpus_by_model(fleet: Iterable[Capabilities]) -> dict[str, int]:
+    """The fleet's GPUs of each model ("" where a worker names none), for `Workload.of_counts`."""
+    out: dict[str, int] = {}
+    for caps in fleet:
+        if caps.gpu is not None and caps.gpu_count:
+            model = caps.gpu.type or ""
+            out[model] = out.get(model, 0) + caps.gpu_count
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +179,9 @@ def placement(
     scale = float(workload.largest)
     free_gpus = totals[0] if free[0] == INF else free[0]
     vec = devices if devices is not None else (FULL,) * int(free_gpus)
-    kind = Kind(want[1], 1 if milli < FULL else int(want[0]), milli)
-    grown = growth(model, free[1], vec, kind, workload.mix) if want[0] or milli < FULL else None
+    kind = Kind(want[1], 1 if milli < FULL else int(want[0]), milli, memory=want[2])
+    gpu_job = bool(want[0]) or milli < FULL
+    grown = growth(model, free[1], vec, kind, workload.mix, free[2]) if gpu_job else None
     taken = grown[1] if grown else ()
     left = sum(after(vec, taken, milli)) / FULL
     if gpu_affinity == "spread":
