@@ -52,12 +52,16 @@ def scheduler_plot(rows: list[dict[str, Any]], path: str) -> None:
         if not mine:
             continue
         xs = [r["workers"] for r in mine]
-        left.plot(xs, [r["pass_s"] for r in mine], marker="o", color=colour, label=fleet)
+        left.plot(xs, [r["pass_s"] for r in mine], marker="o", color=colour, label=f"{fleet}, full")
+        if all("quick_pass_s" in r for r in mine):
+            left.plot(xs, [r["quick_pass_s"] for r in mine], marker="s", linestyle=":",
+                      color=colour, label=f"{fleet}, quick (first 100)")  # fmt: skip
         right.plot(xs, [r["median_us"] for r in mine], marker="o", color=colour,
                    label=f"{fleet}, median")  # fmt: skip
         right.plot(xs, [r["p99_us"] for r in mine], marker="^", linestyle=":", color=colour,
                    label=f"{fleet}, p99")  # fmt: skip
-    left.set_title(f"whole pass, {', '.join(f'{j:,}' for j in jobs)} pending jobs")
+    left.set_title(f"a pass, {', '.join(f'{j:,}' for j in jobs)} pending jobs")
+    left.axhline(1.0, color="gray", linewidth=0.8, linestyle="--", label="1 s target")
     left.set_ylabel("seconds")
     left.set_ylim(bottom=0)
     right.set_title("one Planner.decide")
