@@ -7,16 +7,19 @@ and no leader state, so each rule is tested on its own (test_prefetch_rules).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from celery_ojs_ml.allocator.model import Demand, rank
 from celery_ojs_ml.matching import FreeCapacity
-from celery_ojs_ml.matching.match import hard_reasons
-from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, WorkerState
+from celery_ojs_ml.matching.match import hard_reasons, match
+from celery_ojs_ml.scheduler import Decision, PendingJob, Reservation, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.fair import AheadShares, decayed_split, held_gpus, weighted_split
+from celery_ojs_ml.scheduler.grants import job_grantable
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.scheduler.settle import lowest_preemptible
+from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.store.pending import ASSIGNED
 
 from .budget_holds import BudgetHold
@@ -72,6 +75,7 @@ def room(
     fleet: list[WorkerState],
     left: dict[str, FreeCapacity],
     assigned: Mapping[str, list[PendingJob]] | None = None,
+    shown: Mapping[str, list[RunningJob]] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Per worker where jobs may wait ahead: (the rank of its lowest preemptible running
     band, the GPUs that any one of its running jobs frees when it ends).
@@ -84,17 +88,56 @@ def room(
     freed meanwhile, which the fleet scheduler backfills (docs/scheduling.md).
     `assigned`: the jobs this pass assigned, per worker; they count as running there
     (a pass woken by a job's end sees its worker idle, assigns one job and would
-    otherwise send nothing ahead), each as preemptible in its band (the safe side)."""
+    otherwise send nothing ahead), each as preemptible in its band (the safe side).
+    `shown`: the jobs the worker's last heartbeat shows running that hold no lease yet
+    (`shown_running`); they count as running there too."""
     assigned = assigned or {}
+    shown = shown or {}
     out: dict[str, tuple[int, int]] = {}
     for w in fleet:
         new = assigned.get(w.name, [])
-        gpus = [r.gpus for r in w.running] + [int(j.req.ext_ml_gpu_count or 0) for j in new]
+        running = [*w.running, *shown.get(w.name, ())]
+        gpus = [r.gpus for r in running] + [int(j.req.ext_ml_gpu_count or 0) for j in new]
         if not gpus or min(gpus) < 1 or left[w.name].gpus != 0:
             continue
-        below = min([lowest_preemptible(w.running), *(rank(j.band) for j in new)])
+        below = min([lowest_preemptible(running), *(rank(j.band) for j in new)])
         out[w.name] = (below, min(gpus))
     return out
+
+
+def shown_running(
+    fleet: Sequence[WorkerState], live: Mapping[str, Mapping[str, Any]]
+) -> dict[str, list[RunningJob]]:
+    """Per worker, the jobs its last heartbeat shows allocated that hold no lease (a
+    busy worker writes a lease some milliseconds after its job starts, so a short job
+    ends before it has one): to `room` and `Prefetch._turning` they run there. A band
+    the heartbeat does not name counts as the lowest, preemptible (the safe side)."""
+    out: dict[str, list[RunningJob]] = {}
+    for w in fleet:
+        known = {r.task_id for r in w.running}
+        snap = (live.get(w.name) or {}).get("free") or {}
+        for a in snap.get("allocations") or []:
+            job = _allocated(a)
+            if job is not None and job.task_id not in known:
+                out.setdefault(w.name, []).append(job)
+    return out
+
+
+def _allocated(a: Mapping[str, Any]) -> RunningJob | None:
+    """A heartbeat's allocation (`Allocation.as_dict`) as a running job; None if unnamed."""
+    task_id, band, devices = a.get("task_id"), a.get("band"), a.get("devices")
+    if not isinstance(task_id, str) or not isinstance(devices, list):
+        return None
+    known = band in BANDS
+    gpus = 0 if a.get("gpu_milli") else len(devices)
+    started = a.get("started_at")
+    return RunningJob(
+        task_id,
+        str(band) if known else BANDS[-1],
+        float(started) if isinstance(started, int | float) else 0.0,
+        gpus=gpus,
+        preemptible=a.get("preemptible") is not False or not known,
+    )
 
 
 def assigned_jobs(decision: Decision, jobs: dict[str, PendingJob]) -> dict[str, list[PendingJob]]:
@@ -105,6 +148,42 @@ def assigned_jobs(decision: Decision, jobs: dict[str, PendingJob]) -> dict[str, 
         if job is not None:
             out.setdefault(a.worker, []).append(job)
     return out
+
+
+def next_waiting(decision: Decision, jobs: Mapping[str, PendingJob]) -> dict[str, str]:
+    """Each job the pass left waiting -> the next one in fleet order (`order_key`)."""
+    placed = {a.task_id for a in decision.assignments}
+    placed |= {p.task_id for p in decision.preemptions}
+    ids = [t for _, t in sorted((order_key(j), t) for t, j in jobs.items() if t not in placed)]
+    return dict(itertools.pairwise(ids))
+
+
+def follows(first: PendingJob, job: PendingJob) -> bool:
+    """Whether `job` may follow `first` to the worker `first` waits ahead at: both of one
+    queue, band and class (equal hard constraints), and placed by their class and free
+    capacity alone (`scheduler.grants.job_grantable`), so that the core would place it
+    where it places `first`, once `first` started there."""
+    return (
+        job.queue == first.queue
+        and job.band == first.band
+        and job.class_key == first.class_key
+        and job_grantable(job)
+        and job_grantable(first)
+    )
+
+
+def only_worker(job: PendingJob, fleet: Sequence[WorkerState], worker: str) -> bool:
+    """Whether `worker` is the one available worker that could run `job` (it consumes the
+    job's queue and matches its hard constraints). Jobs that follow one sent ahead there
+    keep their fleet order: no other worker can start a later one first (elsewhere, a
+    worker that frees first takes the next job still waiting, before those held)."""
+    return not any(
+        w.name != worker
+        and w.available
+        and job.queue in w.queues
+        and match(job.req, w.caps).eligible
+        for w in fleet
+    )
 
 
 def planned(decision: Decision) -> tuple[Reservation, ...]:

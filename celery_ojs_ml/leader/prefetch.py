@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery_ojs_ml.allocator.model import Demand, rank
-from celery_ojs_ml.scheduler import PendingJob, Policy, WorkerState
+from celery_ojs_ml.scheduler import PendingJob, Policy, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.fair import AheadShares
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
@@ -75,6 +75,11 @@ class Prefetch:
       there once its victims are old enough, and only a pass plans that.
     * Once a job planned on a worker is not sent ahead, none after it in order is
       sent there in that pass (the gate starts what it holds as soon as it fits).
+    * Behind the last job a pass sends to a worker where jobs turn over, the jobs right
+      after it in fleet order follow it, while of its class (`_follow_on`), where no
+      other worker could run that class, and without fair-share weights.
+    * A worker's running jobs include those its heartbeat shows allocated without a
+      lease yet (`ahead.shown_running`): a short job ends before its lease is written.
     * A held job taken back is placed again by the next pass without the give-back
       back-off; RFC 27 prioritize takes it back first (`OJSML.prioritize`).
     """
@@ -120,13 +125,16 @@ class Prefetch:
         decision, fleet, jobs, now = state.decision, state.fleet, state.jobs, state.now
         waiting = self._held_ahead(state.records)
         left = rules.left_after(decision, fleet, jobs)
-        room = rules.room(fleet, left, rules.assigned_jobs(decision, jobs))
+        shown = rules.shown_running(fleet, state.live)
+        room = rules.room(fleet, left, rules.assigned_jobs(decision, jobs), shown)
         shares = self._ahead_shares(state)
-        turning = self._turning(fleet, now)
+        turning = self._turning(fleet, now, shown)
         horizon = float(self.settings.max_hold_s) / 2
         shut: set[str] = set()
         """Workers where a job planned earlier in order was not sent ahead: one sent after
         it would start there first (the gate starts what it holds), so none is."""
+        last: dict[str, str] = {}
+        """Per worker, the last job this pass sent there ahead."""
         notes: dict[str, Note] = {}
         for r in rules.planned(decision):
             if r.worker in shut:
@@ -142,13 +150,68 @@ class Prefetch:
                 shut.add(r.worker)
                 continue
             assert job is not None
-            waiting[r.worker] = waiting.get(r.worker, 0) + 1
             if shares is not None:
                 shares.take(job, r.worker)
-            if self.deliver(state, r.task_id, r.worker, prefetch=True):
-                self.sent[r.task_id] = r.worker
-                notes[r.task_id] = rules.ahead_note(decision, r.task_id, r.worker, r.start)
+            if self._ahead(state, r.task_id, r.worker, r.start, waiting, notes):
+                last[r.worker] = r.task_id
+        if shares is None:  # with weights the core orders by share: no follow-on
+            runs = {w: t for w, t in last.items() if w not in shut and w in turning}
+            self._follow_on(state, runs, room, waiting, notes)
         return notes
+
+    def _ahead(
+        self,
+        state: PassState,
+        task_id: str,
+        worker: str,
+        start: float | None,
+        waiting: dict[str, int],
+        notes: dict[str, Note],
+    ) -> bool:
+        """Deliver one job ahead to `worker`; False where it was not pending any more."""
+        waiting[worker] = waiting.get(worker, 0) + 1
+        if not self.deliver(state, task_id, worker, prefetch=True):
+            return False
+        self.sent[task_id] = worker
+        notes[task_id] = rules.ahead_note(state.decision, task_id, worker, start)
+        return True
+
+    def _follow_on(
+        self,
+        state: PassState,
+        runs: dict[str, str],
+        room: dict[str, tuple[int, int]],
+        waiting: dict[str, int],
+        notes: dict[str, Note],
+    ) -> None:
+        """After the last job this pass sent ahead to a turning worker (`runs`; only where
+        no other worker could run its class, `ahead.only_worker`), the jobs right behind
+        it in fleet order, while they are of its class (`ahead.follows`), planned nowhere,
+        and may wait there (`_may_send_ahead`). The core plans only the first blocked job
+        where time limits are unknown: one pass would otherwise send one job ahead per
+        worker, and a worker whose jobs end faster than passes come would wait for the
+        next pass between two of them."""
+        if not runs:
+            return
+        decision, jobs = state.decision, state.jobs
+        after = rules.next_waiting(decision, jobs)
+        planned = {r.task_id for r in rules.planned(decision)}
+        for worker, first in runs.items():
+            if not rules.only_worker(jobs[first], state.fleet, worker):
+                continue
+            task_id = after.get(first)
+            while task_id is not None and task_id not in planned:
+                job = jobs[task_id]
+                if (
+                    not rules.follows(jobs[first], job)
+                    or task_id in decision.escalations
+                    or not self._may_send_ahead(
+                        job, room.get(worker), waiting.get(worker, 0), state.now
+                    )
+                    or not self._ahead(state, task_id, worker, None, waiting, notes)
+                ):
+                    break
+                task_id = after.get(task_id)
 
     def _ahead_shares(self, state: PassState) -> AheadShares | None:
         """The queues' weighted shares and holdings; None without fair-share weights."""
@@ -213,16 +276,19 @@ class Prefetch:
             return False  # held at the gate, it would keep other jobs from backfilling there
         return waiting < int(self.settings.prefetch)
 
-    def _turning(self, fleet: list[WorkerState], now: float) -> set[str]:
+    def _turning(
+        self, fleet: list[WorkerState], now: float, shown: dict[str, list[RunningJob]]
+    ) -> set[str]:
         """Workers where a running job ended within the last `ojs_ml_max_hold_s / 2`, as
-        the passes saw their leases: a job sent there ahead is likely to start well
-        before its gate gives it back. Where jobs run for minutes, a job sent ahead
-        would wait for the next end, be given back, and be sent again, over and over."""
+        the passes saw their leases and heartbeats (`shown`: jobs without a lease yet):
+        a job sent there ahead is likely to start well before its gate gives it back.
+        Where jobs run for minutes, a job sent ahead would wait for the next end, be
+        given back, and be sent again, over and over."""
         horizon = float(self.settings.max_hold_s) / 2
         out: set[str] = set()
         seen = self.turnover
         for w in fleet:
-            ids = frozenset(r.task_id for r in w.running)
+            ids = frozenset(r.task_id for r in (*w.running, *shown.get(w.name, ())))
             before, ended = seen.get(w.name, (ids, -1e18))
             if before - ids:
                 ended = now

@@ -1,0 +1,198 @@
+"""Prefetch on a worker whose jobs end before their leases are written.
+
+A busy worker writes a job's lease some milliseconds after its start, so the passes
+never see a short job in the leases: only its worker's heartbeat shows it allocated
+(`leader.ahead.shown_running`). Those jobs count as running for `room` and for
+`Prefetch._turning`; and the jobs right behind the one a pass sends ahead, of its
+class, follow it there (`Prefetch._follow_on`), up to `ojs_ml_prefetch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+from celery_ojs_ml.allocator.model import rank
+from celery_ojs_ml.leader.ahead import follows, left_after, next_waiting, room, shown_running
+from celery_ojs_ml.leader.budget_holds import BudgetHolds
+from celery_ojs_ml.leader.fleet_view import pending_job
+from celery_ojs_ml.leader.notes import Notes
+from celery_ojs_ml.leader.pass_state import PassState
+from celery_ojs_ml.leader.prefetch import Prefetch
+from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation, WorkerState
+from celery_ojs_ml.scheduler.model import Assignment
+from celery_ojs_ml.spec.normalize import normalize
+from celery_ojs_ml.testing.builders import worker_with
+
+
+def _job(task_id: str, at: float, band: str = "on-demand", gpus: int = 1, **kw: Any) -> PendingJob:
+    spec: dict[str, Any] = {"ext_ml_gpu_count": gpus, "ext_ml_priority_class": band, **kw}
+    return PendingJob(task_id, normalize(spec).requirements, submitted_at=at)
+
+
+def _busy(name: str = "w", gpus: int = 1) -> WorkerState:
+    """A worker with no lease to show and every GPU taken (by its heartbeat)."""
+    state = WorkerState.of(name, worker_with(gpus=gpus))
+    return dataclasses.replace(state, free=dataclasses.replace(state.free, gpus=0))
+
+
+def _live(*allocs: tuple[str, str, list[int]], name: str = "w", **extra: Any) -> dict[str, Any]:
+    """A heartbeat showing these (task id, band, devices) allocated."""
+    rows = [{"task_id": t, "band": b, "devices": d, "preemptible": False, **extra}
+            for t, b, d in allocs]  # fmt: skip
+    return {name: {"free": {"allocations": rows}}}
+
+
+class _Leader:
+    """A `Prefetch` whose deliveries succeed and are recorded in `sent`."""
+
+    def __init__(self, prefetch: int = 2, weights: tuple[tuple[str, float], ...] = ()) -> None:
+        self.sent: list[str] = []
+        settings = SimpleNamespace(prefetch=prefetch, max_hold_s=30.0)
+        policy = Policy(weights=weights)
+        self.prefetch: Any = Prefetch(
+            settings, policy, SimpleNamespace(annotate=lambda *a, **k: None), self._deliver,
+            BudgetHolds(policy), Notes(None), lambda headers: None,  # type: ignore[arg-type]
+            lambda t, r: pending_job(t, r, self.prefetch.parse),
+        )  # fmt: skip
+
+    def _deliver(self, state: Any, task_id: str, *args: Any, **kwargs: Any) -> bool:
+        self.sent.append(task_id)
+        state.records[task_id]["state"] = "assigned"
+        return True
+
+    def send(
+        self,
+        decision: Decision,
+        jobs: dict[str, PendingJob],
+        live: dict[str, Any],
+        now: float,
+        fleet: list[WorkerState] | None = None,
+    ) -> list[str]:
+        """One pass's `send_ahead`; the jobs it delivered."""
+        records: dict[str, dict[str, Any]] = {t: {"state": "pending"} for t in jobs}
+        for task_id, worker in self.prefetch.sent.items():
+            records[task_id] = {"state": "assigned", "worker": worker}
+        state = PassState(now, records=records, live=live, fleet=fleet or [_busy()], jobs=jobs)
+        state.decision = decision
+        before = len(self.sent)
+        self.prefetch.send_ahead(state)
+        return self.sent[before:]
+
+
+def test_a_job_its_heartbeat_shows_without_a_lease_counts_as_running_for_room() -> None:
+    fleet = [_busy()]
+    left = left_after(Decision(), fleet, {})
+    assert room(fleet, left) == {}, "nothing known running: no room (as before)"
+    shown = shown_running(fleet, _live(("a", "on-demand", [0])))
+    assert [r.task_id for r in shown["w"]] == ["a"]
+    below, frees = room(fleet, left, shown=shown)["w"]
+    assert frees == 1 and below > rank("reserved"), "nothing preemptible runs there"
+
+
+def test_a_preemptible_or_unnamed_band_in_a_heartbeat_lowers_the_rank_a_job_may_have() -> None:
+    """A job ranked above a preemptible running job may preempt it, which only a pass
+    plans: the heartbeat's preemptible spot job, and an allocation whose band it does not
+    name (taken as the lowest band, preemptible), keep such jobs from waiting ahead."""
+    fleet = [_busy()]
+    left = left_after(Decision(), fleet, {})
+    spot = shown_running(fleet, _live(("s", "spot", [0]), preemptible=True))
+    assert room(fleet, left, shown=spot) == {"w": (rank("spot"), 1)}
+    odd = shown_running(fleet, _live(("o", "gold", [0])))
+    assert room(fleet, left, shown=odd) == {"w": (rank("spot"), 1)}
+
+
+def test_a_gpu_share_or_a_job_with_a_lease_is_not_counted_from_the_heartbeat() -> None:
+    fleet = [_busy()]
+    left = left_after(Decision(), fleet, {})
+    share = shown_running(fleet, _live(("s", "on-demand", [0]), gpu_milli=500))
+    assert room(fleet, left, shown=share) == {}, "a share frees no whole GPU"
+    leased = WorkerState.of("w", worker_with(gpus=1), _busy_running("a"))
+    assert shown_running([leased], _live(("a", "on-demand", [0]))) == {}
+
+
+def _busy_running(task_id: str) -> list[Any]:
+    from celery_ojs_ml.scheduler import RunningJob
+
+    return [RunningJob(task_id, "on-demand", started_at=90.0, gpus=1)]
+
+
+def test_a_pass_sends_the_next_job_ahead_when_the_heartbeat_shows_the_jobs_turning() -> None:
+    """No lease ever shows the worker's jobs; a heartbeat showing another job than the
+    last pass saw means one ended, so the next job goes ahead."""
+    leader = _Leader()
+    jobs = {"j": _job("j", 1.0)}
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    assert leader.send(plan, jobs, _live(("a", "on-demand", [0])), 100.0) == []
+    assert leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.1) == ["j"]
+
+
+def _turning(leader: _Leader) -> None:
+    """Two passes seeing another job run on `w`: it is turning."""
+    leader.send(Decision(), {}, _live(("a", "on-demand", [0])), 99.0)
+    leader.send(Decision(), {}, _live(("b", "on-demand", [0])), 99.5)
+
+
+def test_the_jobs_of_its_class_right_behind_a_job_sent_ahead_follow_it_up_to_prefetch() -> None:
+    jobs = {t: _job(t, at) for t, at in (("j", 1.0), ("k", 2.0), ("l", 3.0), ("m", 4.0))}
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    leader = _Leader(prefetch=3)
+    _turning(leader)
+    assert leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.0) == ["j", "k", "l"]
+    assert set(leader.prefetch.sent) == {"j", "k", "l"}
+    assert leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.1) == [], "3 held"
+
+
+def test_no_job_follows_past_a_job_of_another_class_or_band_waiting_before_it() -> None:
+    """Fleet order holds at the gate: a job that would pass a waiting job ahead of it in
+    order is not sent, nor one of another class (the core may place it elsewhere)."""
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    two = {"j": _job("j", 1.0), "x": _job("x", 2.0, gpus=2), "k": _job("k", 3.0)}
+    leader = _Leader(prefetch=4)
+    _turning(leader)
+    assert leader.send(plan, two, _live(("b", "on-demand", [0]), name="w"), 100.0,
+                       [_busy(gpus=2)]) == ["j"]  # fmt: skip
+    higher = {"j": _job("j", 1.0, band="spot"), "r": _job("r", 5.0, band="reserved")}
+    assert next_waiting(Decision(), higher) == {"r": "j"}, "bands first in fleet order"
+    assert not follows(higher["j"], higher["r"])
+
+
+def test_no_job_follows_where_another_worker_could_run_its_class() -> None:
+    """There, a worker that frees first takes the next job still waiting, before the ones
+    held at the first: only the planned job goes ahead, as before. A worker that is not
+    available, or does not consume the queue, does not count."""
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    jobs = {"j": _job("j", 1.0), "k": _job("k", 2.0)}
+    live = {**_live(("b", "on-demand", [0])), **_live(name="v")}
+    for other, want in (
+        (_busy("v"), ["j"]),
+        (dataclasses.replace(_busy("v"), available=False), ["j", "k"]),
+        (dataclasses.replace(_busy("v"), queues=frozenset({"batch"})), ["j", "k"]),
+    ):
+        leader = _Leader(prefetch=4)
+        _turning(leader)
+        assert leader.send(plan, jobs, live, 100.0, [_busy(), other]) == want, other
+
+
+def test_a_job_placed_by_more_than_its_class_does_not_follow() -> None:
+    first = _job("j", 1.0)
+    assert follows(first, _job("k", 2.0))
+    assert not follows(first, dataclasses.replace(_job("k", 2.0), gpu_affinity="spread"))
+    assert not follows(first, _job("k", 2.0, band="spot"))
+
+
+def test_jobs_assigned_by_the_pass_are_not_followers() -> None:
+    jobs = {"a": _job("a", 0.5), "j": _job("j", 1.0), "k": _job("k", 2.0)}
+    decision = Decision(assignments=(Assignment("a", "w", 1.0),))
+    assert next_waiting(decision, jobs) == {"j": "k"}
+
+
+def test_with_fair_share_weights_no_job_follows() -> None:
+    """The core orders by share then; a job sent ahead is checked against its queue's
+    share one by one (`AheadShares`), so only planned jobs go."""
+    jobs = {"j": _job("j", 1.0), "k": _job("k", 2.0)}
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    leader = _Leader(prefetch=4, weights=(("celery", 1.0),))
+    _turning(leader)
+    assert "k" not in leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.0)
