@@ -38,6 +38,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/replay.py --mode fgd --plot docs/images/replay_fgd.png
 	$(BIN)/python bench/replay.py --mode time --plot docs/images/replay_time.png
+	$(BIN)/python bench/replay_gang.py --plot bench/results/gang/replay_gang.png
+	$(BIN)/python -m bench.replay_fair --workers 2 --horizon 14400 --half-life 3600 --plot bench/results/fair-share/replay_fair.png
+	$(BIN)/python bench/scheduler.py --workers 100 1000 10000 --jobs 100000 --plot bench/results/scheduler/scheduler.png --out bench/results/scheduler/scheduler.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
