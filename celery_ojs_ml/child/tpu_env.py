@@ -15,9 +15,9 @@ Key decisions:
   TPU_PROCESS_BOUNDS, TPU_PROCESS_PORT from 8476, TPU_PROCESS_ADDRESSES
   "localhost:<port>"); Ray `python/ray/_private/accelerators/tpu.py`
   (`set_current_process_visible_accelerator_ids`: TPU_VISIBLE_CHIPS with bounds
-  "1,1,1" for 1 chip and "1,2,1" for 2); jax-ml/jax issue #14977 and the
-  "tpu_topology_env_vars.py" gist it links ("2,2,1" for 4 chips, a unique port
-  per process). 8 chips are the 2x4 host of v5e/v6e.
+  "1,1,1" for 1 chip and "1,2,1" for 2); the JAX tracker's thread on several TPU
+  processes per host and the "tpu_topology_env_vars.py" gist it links ("2,2,1" for
+  4 chips, a unique port per process). 8 chips are the 2x4 host of v5e/v6e.
 - The port is 8476 plus the first chip's index: concurrent jobs on one host hold
   disjoint chips, so their ports never collide, across workers too.
 - Chip indices are the worker's own: a worker started with `TPU_VISIBLE_CHIPS=4,5,6,7`
