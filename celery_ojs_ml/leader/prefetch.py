@@ -194,11 +194,14 @@ class Prefetch:
         if not runs:
             return
         decision, jobs = state.decision, state.jobs
+        sole = {
+            w: first for w, first in runs.items() if rules.only_worker(jobs[first], state.fleet, w)
+        }
+        if not sole:
+            return  # the ordering below sorts every waiting job: only when one may follow
         after = rules.next_waiting(decision, jobs)
         planned = {r.task_id for r in rules.planned(decision)}
-        for worker, first in runs.items():
-            if not rules.only_worker(jobs[first], state.fleet, worker):
-                continue
+        for worker, first in sole.items():
             task_id = after.get(first)
             while task_id is not None and task_id not in planned:
                 job = jobs[task_id]
