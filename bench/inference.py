@@ -162,9 +162,15 @@ def run_variant(
         "processes": len({r["pid"] for r in burst + lat}),
         "body_p50_ms": statistics.median(1000 * (r["end"] - r["start"]) for r in burst),
         "gap_p50_ms": statistics.median(gaps(burst)),
+        "gap_p10_p90_ms": _p10_p90(gaps(burst)),
         **trace,
         **({"mismatches": mismatches(burst + lat)} if args.real else {}),
     }
+
+
+def _p10_p90(values: list[float]) -> list[float]:
+    ordered = sorted(values)
+    return [round(ordered[int(q * (len(ordered) - 1))], 2) for q in (0.1, 0.9)]
 
 
 def gaps(burst: list[dict[str, Any]]) -> list[float]:
@@ -260,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=40)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--logs", default="", help="keep the workers' logs in this folder")
     parser.add_argument("--real", action="store_true", help="real GPUs through PyTorch")
     parser.add_argument("--gpus", type=int, default=4, help="GPUs (simulated: 1, 2, 4 or 8)")
     parser.add_argument("--calibrated", action="store_true",
@@ -275,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.gpus = 1
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ojs-bench-infer-") as tmp:
-        logdir = Path(tmp)
+        logdir = Path(args.logs or tmp)
+        logdir.mkdir(parents=True, exist_ok=True)
         with private_redis(logdir) as broker:
             for variant in args.variants.split(","):
                 print(f"running {variant} ...", file=sys.stderr, flush=True)

@@ -139,6 +139,33 @@ class Allocator:
         job = self.book.remove(key)
         return None if job is None else job.alloc
 
+    def hand_over(
+        self,
+        old: Hashable,
+        new: Hashable,
+        task_id: str,
+        req: MLRequirements,
+        *,
+        labels: Mapping[str, str] | None = None,
+    ) -> tuple[Allocation, Allocation] | None:
+        """Free `old` and give its devices to `new` at once: the job the warm pool wrote
+        to `old`'s child behind it starts there as `old` ends (pipelining), so the
+        backfill rule does not apply: it is already on its way. `(freed, taken)`, or
+        None when `old` holds nothing or `new` does not fit exactly its devices."""
+        job = self.book.get(old)
+        if job is None:
+            return None
+        self._check_new(new)
+        freed = job.alloc
+        want = Demand.of(req)
+        if want.short_of(freed.demand.plus(self.book.free_after(()))):
+            return None
+        self.book.remove(old)
+        taken = self._commit(new, task_id, req, band_of(req), labels or {}, [freed.devices])
+        if taken.devices != freed.devices:  # pinned elsewhere: its CUDA is born on these
+            taken = self.book.repin([(new, freed.devices)])[0]
+        return freed, taken
+
     def move(self, key: Hashable, devices: Sequence[int]) -> Allocation | None:
         """Give a running job other devices of the same count, if all are free; else None.
 

@@ -93,6 +93,13 @@ class OJSMLSettings(BaseModel):
     and start the moment a job there ends (0: off). They are the next jobs in fleet order
     planned on that worker, only while it has no free GPU and each fits in what any one
     running job there frees (`leader.prefetch`)."""
+    pipeline: bool = True
+    """With warm children (`ojs_ml_recycle_gpu_children = "warm"`, prefork): a job that
+    would wait at the gate, whose requirements equal those of a job running here, is
+    written to that job's child behind it, and takes its devices as it ends
+    (`worker.pipelining`). The child starts it as it returns the running job's result.
+    False: a held job is written to its child only when the running job's result has
+    come back and its devices are free."""
     grants: bool = True
     """Throughput mode. While nothing waits, the scheduler grants a class of simple jobs
     to the worker it placed the last one on, and publishers send the class's next jobs

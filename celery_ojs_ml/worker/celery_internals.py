@@ -66,6 +66,46 @@ def idle(pool: Any, ready: list[int]) -> list[int]:
     return [fd for fd in ready if fd not in busy and fd not in active]
 
 
+def writing(pool: Any, fd: int) -> bool:
+    """Whether a job is being written to pipe `fd` now (`AsynPool._active_writes`)."""
+    return fd in pool._active_writes
+
+
+def write_behind(pool: Any, fd: int, write: Callable[[], Any]) -> None:
+    """Run `write` (the original write scheduler on `[fd]`) for a process that runs a job:
+    under the fair strategy `schedule_writes` skips a pipe in `_busy_workers`, so the
+    pipe leaves the set for the call; the write marks it busy again (and it is put
+    back when nothing was written and it was there). The process reads the job when its
+    running one returns, as under Celery's `-O default` strategy; billiard puts a job
+    written to a process that exits before accepting it back in the outbound buffer
+    (`AsynPool.on_partial_read`)."""
+    busy = pool._busy_workers
+    was = fd in busy
+    busy.discard(fd)
+    try:
+        write()
+    finally:
+        if was:
+            busy.add(fd)
+
+
+def to_pool_now(consumer: Any, req: Any) -> bool:
+    """Hand a request to the pool (its outbound buffer) at once; False if it was revoked.
+
+    `WorkController._process_task_sem` admits a request only while fewer than `-c`
+    are in flight (a `LaxBoundedSemaphore`, `worker_pool_putlocks`): a job written
+    behind a running one (`worker.pipelining`) goes in beside them, as
+    `WorkController._process_task` would. Its end releases the semaphore once more,
+    which the lax bound caps at `-c`."""
+    from celery.exceptions import TaskRevokedError
+
+    try:
+        req.execute_using_pool(consumer.pool)
+    except TaskRevokedError:
+        return False
+    return True
+
+
 def wrap_write_scheduler(hub: Any, schedule: Callable[..., Any]) -> Callable[..., Any]:
     """Put `schedule` in place of the pool's write scheduler; returns the original.
 

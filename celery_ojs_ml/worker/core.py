@@ -38,6 +38,7 @@ from celery_ojs_ml.worker.gangs import primary_address
 from celery_ojs_ml.worker.gate import Gate
 from celery_ojs_ml.worker.granted import Grants
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
+from celery_ojs_ml.worker.pipelining import Pipeline
 from celery_ojs_ml.worker.preemption import Preemptions
 from celery_ojs_ml.worker.reservations import ReservationHolder
 from celery_ojs_ml.worker.run_env import RunEnvCheck
@@ -279,6 +280,25 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
         if children is not None and children.mode() == "warm" and self.prefork:
             gate = self.gate
             gate.router = Router.install(c, gate.devices_by_id.get, gate.move, children.table())
+            gate.pipeline = self._pipeline(gate.router)
+
+    def _pipeline(self, router: Router | None) -> Pipeline | None:
+        """Jobs written behind a running job with the same needs (`ojs_ml_pipeline`)."""
+        if router is None or not self.settings.pipeline:
+            return None
+        gate = self.gate
+        batched = gate.batching.options if gate.batching is not None else (lambda req: None)
+        return Pipeline(
+            self.settings,
+            gate.allocator,
+            gate.running,
+            gate.preemptions,
+            router=router,
+            requirements=lambda req: gate.preemptions.cap(
+                gate.admission.parse(req.request_dict), req.request_dict
+            ),
+            batched=lambda req: _batched(batched(req)),
+        )
 
     def _check_concurrency(self, limit: Any) -> None:
         """Warn when the pool has fewer processes than the worker has GPUs: the gate hands
@@ -363,3 +383,8 @@ def _deferrer(hub: Any) -> Any:
     if hub is None:
         return None
     return lambda fn, delay_s: hub.call_later(delay_s, fn)
+
+
+def _batched(options: Any) -> bool:
+    """Whether a task's `ml_batch` declaration batches its requests (more than one)."""
+    return options is not None and int(getattr(options, "max_size", 1)) >= 2

@@ -28,11 +28,13 @@ from celery_ojs_ml.wire.headers import DEVICES, NODE, PENDING, PIN, PREFETCH, RE
 from celery_ojs_ml.wire.inbound import BadMessage, InboundCheck
 from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
+from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.assigned import Assignments, token_of, victims_of
 from celery_ojs_ml.worker.cpu_cores import assign_host
 from celery_ojs_ml.worker.gate_release import GateRelease
 from celery_ojs_ml.worker.granted import Grants, epoch_of
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
+from celery_ojs_ml.worker.pipelining import Pipeline
 from celery_ojs_ml.worker.preemption import Preemptions
 from celery_ojs_ml.worker.refusal import refuse
 from celery_ojs_ml.worker.running import Running
@@ -80,6 +82,7 @@ class Gate(GateRelease):
         self.router: Any = None
         """The warm-children router (`warm_pool.Router`); None where it does not run."""
         self.batching: Any = None  # dynamic batching (`batching.Batcher`), set by `core`
+        self.pipeline: Pipeline | None = None  # jobs written behind a running one, or None
         self._pump_due = False
         self._pumping = False
         self._orig_handler: Callable[[Any], Any] = consumer.on_task_request
@@ -123,7 +126,9 @@ class Gate(GateRelease):
             ml = self.preemptions.cap(ml, headers)
             outcome = self._try_alloc(req, ml)
             if token is not None and not isinstance(outcome, Allocation):
-                return self._not_fitting(req, outcome)
+                return self._not_fitting(req, ml, outcome)
+            if isinstance(outcome, Pending) and self.follow(req, ml):
+                return None
             if isinstance(outcome, Pending) and outcome.band != BANDS[-1]:
                 grace = self.preemptions.make_room(ml, outcome.band)
                 if grace is not None:  # hold it until the victims have yielded or been killed
@@ -142,6 +147,11 @@ class Gate(GateRelease):
             if isinstance(outcome, Allocation):
                 self.grants.granted_started = time.monotonic()
                 return self._dispatch(req, outcome)
+            if isinstance(outcome, Pending) and self.follow(
+                req, self.preemptions.cap(ml, req.request_dict)
+            ):
+                self.grants.granted_started = time.monotonic()
+                return None
             first = isinstance(outcome, Pending) and self.grants.hold_granted(req, outcome)
         if isinstance(outcome, Denied):
             self.grants.give_back_granted(req, f"it cannot run here: {outcome.reason}")
@@ -192,9 +202,11 @@ class Gate(GateRelease):
                 self.requests[moved_id].request_dict[DEVICES] = list(moved_to)
         return moved
 
-    def _not_fitting(self, req: Any, outcome: Pending | Denied) -> Any:
+    def _not_fitting(self, req: Any, ml: MLRequirements, outcome: Pending | Denied) -> Any:
         """A scheduled job that does not fit: preempt the planned victims, else give it back."""
         if isinstance(outcome, Pending) and req.request_dict.get(PREFETCH):
+            if self.follow(req, ml):
+                return None
             # delivered ahead of capacity: wait here, start as soon as a job ends
             self.hold_until[req] = time.monotonic() + self.settings.assignment_timeout_s - 1
             return self._handle(req, outcome)
@@ -230,16 +242,55 @@ class Gate(GateRelease):
             # may fit now, and no release will pump them (none may be running here).
             self._pump_soon()
             return None
+        log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
+        self._prepare(req, alloc)
+        self._account(req, alloc)
+        if self.batching is not None:
+            self.batching.runs.hand_over(req, alloc)  # the batch it heads, if any
+        return self._orig_handler(req)
+
+    def follow(self, req: Any, ml: MLRequirements, *, held: bool = False) -> bool:
+        """Write a job that would wait here behind a running job with the same needs, in
+        that job's warm child (`pipelining`); False where none may lead it. `held`: it is
+        the first held job (else nothing may be held)."""
+        if self.pipeline is None or (not held and self.allocator.held_keys()):
+            return False
+        ahead = self.pipeline.ahead_for(req, ml)
+        if ahead is None:
+            return False
+        if held:
+            self.allocator.cancel(req)
+            self.hold_until.pop(req, None)
+            self.leave_hold(req)
+        if not self.assignments.may_start(req, ahead):
+            return True  # a stale copy, dropped
+        log.debug("ojs-ml: %s follows %s on %s", req.id, ahead.task_id, ahead.devices)
+        self._prepare(req, ahead)
+        if internals.to_pool_now(self.c, req):  # not revoked meanwhile
+            self.pipeline.follow(req, ml, ahead)
+        return True
+
+    def _account(self, req: Any, alloc: Allocation) -> None:
+        """Record a job that starts on `alloc`: its devices, lease and start (at dispatch, or
+        at the hand-over of a job written behind another)."""
         headers = req.request_dict
         if headers.get(PREFETCH):
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
-        log.debug("ojs-ml: dispatch %s on %s", req.id, alloc.devices)
+        self.devices_by_id[req.id] = tuple(alloc.devices)
+        self.requests[req.id] = req
+        if headers.get(PENDING):
+            self._clear_pending(req.id)
+        self._take_lease(req, alloc)
+        self.resubscribe()
+        started_event(self.c, req.id, headers)
+
+    def _prepare(self, req: Any, alloc: Allocation) -> None:
+        """Put the devices and the pinning into the message, and wrap its callbacks."""
+        headers = req.request_dict
         headers[DEVICES] = list(alloc.devices)
         assign_host(req, alloc, self.caps, self.requests, self.settings)  # TPU chips, CPUs
         if alloc.gpu_milli:  # a GPU share: the task reads it in self.request.ojs_gpu_share
             headers[SHARE] = share_info(alloc, self.admission.parse(headers), self.caps)
-        self.devices_by_id[req.id] = tuple(alloc.devices)
-        self.requests[req.id] = req
         headers[NODE] = self.hostname
         headers[PIN] = self.prefork
         if RENDEZVOUS in headers:  # a gang rank's failure re-places its gang:
@@ -248,14 +299,6 @@ class Gate(GateRelease):
         for name in ("on_success", "on_failure"):
             setattr(req, name, self._releasing(req, getattr(req, name)))
         req.on_timeout = self._timeout_releasing(req, req.on_timeout)
-        if headers.get(PENDING):
-            self._clear_pending(req.id)
-        self._take_lease(req, alloc)
-        self.resubscribe()
-        started_event(self.c, req.id, headers)
-        if self.batching is not None:
-            self.batching.runs.hand_over(req, alloc)  # the batch it heads, if any
-        return self._orig_handler(req)
 
     def _clear_pending(self, task_id: str) -> None:
         try:

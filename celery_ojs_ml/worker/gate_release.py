@@ -29,6 +29,9 @@ from typing import Any
 from celery.worker import state as worker_state
 
 from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.allocator.model import rank
+from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.assigned import Assignments, token_of
 from celery_ojs_ml.worker.granted import Grants
@@ -65,7 +68,15 @@ class GateRelease:
     wake_scheduler: Callable[[], None]
     resubscribe: Callable[[], None]
 
+    pipeline: Any = None
+    """`pipelining.Pipeline`, or None where it is off."""
+
     def _dispatch(self, req: Any, alloc: Allocation) -> Any: ...
+
+    def _account(self, req: Any, alloc: Allocation) -> None: ...
+
+    def follow(self, req: Any, ml: MLRequirements, *, held: bool = False) -> bool:
+        raise NotImplementedError  # `gate.Gate.follow`
 
     def _releasing(self, req: Any, original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -99,7 +110,7 @@ class GateRelease:
         with self.lock:
             running.fenced.discard(req)
             running.stopping.discard(req)
-            if self.allocator.free(req) is None:
+            if not self._free_or_hand_over(req):
                 return
             token = running.tokens.pop(req, None)
         acks: list[Any] = []  # acked after the pump: each ack is a broker round trip
@@ -110,6 +121,7 @@ class GateRelease:
         log.debug("ojs-ml: released %s", req.id)
         if self.allocator.held_keys() and not self._pumping:
             self.pump()  # now: the held job is written to its child before the wake-up
+            self._follow_held()
         else:
             self._pump_soon()
         for done in acks:
@@ -119,6 +131,39 @@ class GateRelease:
             quiet = self.grants.quiet_release(req)
         if not quiet:
             self.wake_scheduler()
+
+    def _free_or_hand_over(self, req: Any) -> bool:
+        """Free an ended job's allocation, or hand it to the job written behind it
+        (`pipelining`); False when it held none."""
+        found = None if self.pipeline is None else self.pipeline.follower_of(req.id)
+        if found is None:
+            return self.allocator.free(req) is not None
+        follower, ml = found
+        labels = job_labels(follower.name, follower.request_dict)
+        moved = self.allocator.hand_over(req, follower, follower.id, ml, labels=labels)
+        if moved is None:  # its needs no longer fit: it runs, unaccounted (never expected)
+            log.error("ojs-ml: %s was written behind %s but cannot take its devices",
+                      follower.id, req.id)  # fmt: skip
+            self.pipeline.router.handed_over(follower.id)
+            return self.allocator.free(req) is not None
+        self.pipeline.router.handed_over(follower.id)
+        self._account(follower, moved[1])
+        held = self.allocator.held()
+        if held and rank(held[0].band) > rank(moved[1].band):  # it waits for these devices
+            self.preemptions.make_room(held[0].req, held[0].band)
+        return True
+
+    def _follow_held(self) -> None:
+        """After a pump: the first held job may follow a running job (`pipelining`)."""
+        if self.pipeline is None:
+            return
+        with self.lock:
+            held = self.allocator.held()
+            if not held or held[0].key in self.grants.granted_held:
+                return
+            followed = self.follow(held[0].key, held[0].req, held=True)
+        if followed and self.router is not None:
+            self.router.write_now()
 
     def _pump_soon(self) -> None:
         """`pump` on the event loop's next turn (one pump serves every release of a

@@ -148,6 +148,7 @@ def warm_children(router: Any) -> str | None:
     return (
         f"{len(bound)}/{len(bindings)} bound" + (f": {sets}" if sets else "")
         + f", {router.warm_hits} warm starts, {router.retired} retired"
+        + (f", {router.pipelined} pipelined" if getattr(router, "pipelined", 0) else "")
     )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 from celery_ojs_ml.wire.warm_slots import TAINTED, devices_of_mask, mask_of
@@ -71,9 +72,19 @@ class Router:
         self._moved: dict[str, int] = {}
         """Jobs whose devices changed after their message was built: the child is told."""
         self._written: set[str] = set()
+        self._moved_at_write: set[str] = set()
+        """Written with other devices announced: nothing follows them (the announcement
+        is read when they start)."""
         """Jobs written to a child (their devices can no longer change)."""
         self._stuck: dict[str, float] = {}
         """Jobs no idle child could take, since when (retirement waits `_RETIRE_AFTER_S`)."""
+        self._at: dict[str, tuple[int, int]] = {}
+        """Jobs written to a child and not moved: (pipe, pid) of that child."""
+        self._behind: dict[str, str] = {}
+        """Pipelined jobs not handed over yet -> the running job they follow."""
+        self._queued: dict[int, tuple[int, str]] = {}
+        """Pipe -> (pid, job) of a child that has a pipelined job to run (it is busy)."""
+        self.pipelined = 0
         self.original = internals.wrap_write_scheduler(hub, self.schedule)
 
     @classmethod
@@ -114,6 +125,8 @@ class Router:
         children whose pid `first` picks (they hold the job's model) come first."""
         out = []
         for fd in internals.idle(self.pool, internals.pipes(self.pool)):
+            if self._queued and self._busy_behind(fd):
+                continue
             binding = self._binding(fd)
             if binding and binding != TAINTED:
                 pid = getattr(internals.process_of(self.pool, fd), "pid", 0)
@@ -124,12 +137,17 @@ class Router:
 
     def schedule(self, ready_fds: list[int], *args: Any, **kwargs: Any) -> Any:
         outbound = internals.outbound(self.pool)
-        idle = internals.idle(self.pool, ready_fds)
+        if outbound and self._behind:
+            self._write_behind(outbound, *args, **kwargs)
+        ready = [fd for fd in ready_fds if not self._busy_behind(fd)] if self._queued else ready_fds
+        idle = internals.idle(self.pool, ready)
         if not outbound or not idle:
-            return self.original(ready_fds, *args, **kwargs)
+            return self.original(ready, *args, **kwargs)
         for job in list(outbound):
             if not idle:
                 break
+            if str(getattr(job, "correlation_id", "")) in self._behind:
+                continue  # only ever written to the child of the job it follows
             fd = self._choose(job, idle)
             if fd is None:
                 continue
@@ -142,7 +160,63 @@ class Router:
             outbound.appendleft(job)
             self.last_used[fd] = time.monotonic()
             self.original([fd], *args, **kwargs)
+            self._record(task_id, fd)
         return None
+
+    # -- pipelining --------------------------------------------------------------------
+
+    def _record(self, task_id: str, fd: int) -> None:
+        proc = internals.process_of(self.pool, fd)
+        if proc is not None and task_id not in self._moved_at_write:
+            self._at[task_id] = (fd, int(getattr(proc, "pid", 0) or 0))
+
+    def _busy_behind(self, fd: int) -> bool:
+        """The child on `fd` has a pipelined job to run (its pid still the same)."""
+        queued = self._queued.get(fd)
+        if queued is None:
+            return False
+        proc = internals.process_of(self.pool, fd)
+        if proc is None or int(getattr(proc, "pid", 0) or 0) != queued[0]:
+            del self._queued[fd]
+            return False
+        return True
+
+    def may_follow(self, task_id: str) -> bool:
+        """Whether a job may be written behind running job `task_id`: it was written, not
+        moved, to a child still alive with nothing else queued behind it."""
+        at = self._at.get(task_id)
+        if at is None or self._queued.get(at[0], (0, task_id))[1] != task_id:
+            return False
+        proc = internals.process_of(self.pool, at[0])
+        return proc is not None and int(getattr(proc, "pid", 0) or 0) == at[1]
+
+    def follow(self, task_id: str, ahead: str) -> None:
+        """Write job `task_id` to the child of running job `ahead`, behind it."""
+        self._behind[task_id] = ahead
+
+    def handed_over(self, task_id: str) -> None:
+        """The job ahead ended and this one holds its devices: route it as any job."""
+        self._behind.pop(task_id, None)
+
+    def _write_behind(self, outbound: Any, *args: Any, **kwargs: Any) -> None:
+        for job in list(outbound):
+            task_id = str(getattr(job, "correlation_id", ""))
+            ahead = self._behind.get(task_id, "")
+            at = self._at.get(ahead)
+            if at is None or not self.may_follow(ahead) or internals.writing(self.pool, at[0]):
+                continue  # it waits in the buffer: handed over, it is routed as any job
+            fd = at[0]
+            outbound.remove(job)
+            outbound.appendleft(job)
+            self._announce(fd, task_id)
+            internals.write_behind(self.pool, fd, partial(self.original, [fd], *args, **kwargs))
+            if job in outbound:
+                continue
+            self._behind.pop(task_id, None)
+            self._written.add(task_id)
+            self._queued[fd] = (at[1], task_id)
+            self._at[task_id] = at
+            self.pipelined += 1
 
     def write_now(self) -> None:
         """Route and write the waiting jobs to idle children now, as the loop's next poll
@@ -210,12 +284,20 @@ class Router:
         """Tell the child, before it reads the job, which devices the job was moved to."""
         index = getattr(internals.process_of(self.pool, fd), "index", None)
         if index is not None:
-            self.table.announce(int(index), self._moved.pop(task_id, 0))
+            moved = self._moved.pop(task_id, 0)
+            if moved:
+                self._moved_at_write.add(task_id)
+            self.table.announce(int(index), moved)
 
     def finished(self, task_id: str) -> None:
         """The gate released the job: forget it."""
         self._written.discard(task_id)
         self._moved.pop(task_id, None)
+        self._behind.pop(task_id, None)
+        self._moved_at_write.discard(task_id)
+        at = self._at.pop(task_id, None)
+        if at is not None and self._queued.get(at[0], (0, ""))[1] == task_id:
+            del self._queued[at[0]]
 
     def _retire_one(self, idle: list[int], bindings: dict[int, int | None]) -> None:
         """No idle child can take the job: retire the least recently used bound one."""
