@@ -8,6 +8,8 @@ model load 1 s per process, 20 ms of compute per request), 1-GPU requests, on:
    `ojs_ml_prefetch = 2` (the next jobs wait at the worker's gate and start the
    moment a job ends);
 2. `plugin-prefetch`: plugin-warm with `ojs_ml_prefetch = 4`;
+   `plugin-serial`: the same with `ojs_ml_pipeline = False` (a held job is written
+   to its child only once the running one's result is back);
 3. `plugin-noprefetch`: plugin-warm with `ojs_ml_prefetch = 0` (every job waits
    for a scheduler pass after a GPU frees: the default before 2026-11-27);
 4. `plugin-retire`: the defaults with `"cuda"` (a child that initialised CUDA is
@@ -62,6 +64,7 @@ TRACE_KEY = "ojs-bench:received"
 VARIANTS = (
     "plugin-warm",
     "plugin-prefetch",
+    "plugin-serial",
     "plugin-noprefetch",
     "plugin-retire",
     "plugin-fair",
@@ -69,7 +72,7 @@ VARIANTS = (
 )
 _FAIR_SHARE = '{"celery": 1, "batch": 3}'
 """`ojs_ml_fair_share` of `plugin-fair`."""
-_PREFETCH = {"plugin-prefetch": "4", "plugin-noprefetch": "0"}
+_PREFETCH = {"plugin-prefetch": "4", "plugin-serial": "4", "plugin-noprefetch": "0"}
 """`ojs_ml_prefetch` of the variants that do not run with the plugin's default."""
 
 
@@ -98,6 +101,7 @@ def workers_for(
         recycle = "cuda" if variant == "plugin-retire" else "warm"
         prefetch = _PREFETCH.get(variant, "")  # "": the plugin's default
         env = {**base, "OJS_BENCH_PLUGIN": "1", "OJS_BENCH_RECYCLE": recycle,
+               "OJS_BENCH_PIPELINE": "0" if variant == "plugin-serial" else "1",
                "OJS_BENCH_PREFETCH": prefetch,
                "OJS_BENCH_FAIR_SHARE": _FAIR_SHARE if variant == "plugin-fair" else ""}  # fmt: skip
         argv = [*cmd, "-c", str(gpus), "-n", "gpu@bench"]

@@ -7,6 +7,7 @@ Environment:
     OJS_BENCH_RECYCLE   `ojs_ml_recycle_gpu_children` for the plugin ("warm", "cuda")
     OJS_BENCH_PRELOAD   "1": load the model in `worker_process_init` (the baseline's way)
     OJS_BENCH_PREFETCH  `ojs_ml_prefetch` for the plugin (default: the plugin's, 2)
+    OJS_BENCH_PIPELINE  "0": `ojs_ml_pipeline = False` for the plugin (default: on)
     OJS_BENCH_FAIR_SHARE `ojs_ml_fair_share` for the plugin, as JSON (default: none)
     OJS_BENCH_REAL      "1": real CUDA through PyTorch on real GPUs (`--real`)
     OJS_BENCH_BODY      "h200": the calibrated request body (`--calibrated`, below)
@@ -80,6 +81,7 @@ if PLUGIN:
 
     app.conf.ojs_ml_recycle_gpu_children = os.environ.get("OJS_BENCH_RECYCLE", "warm")
     app.conf.ojs_ml_heartbeat_s = 0.5
+    app.conf.ojs_ml_pipeline = os.environ.get("OJS_BENCH_PIPELINE", "1") != "0"
     if os.environ.get("OJS_BENCH_PREFETCH"):  # else the plugin's default
         app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_PREFETCH"])
     if os.environ.get("OJS_BENCH_FAIR_SHARE"):

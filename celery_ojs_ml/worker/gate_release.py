@@ -135,18 +135,22 @@ class GateRelease:
     def _free_or_hand_over(self, req: Any) -> bool:
         """Free an ended job's allocation, or hand it to the job written behind it
         (`pipelining`); False when it held none."""
-        found = None if self.pipeline is None else self.pipeline.follower_of(req.id)
+        pipeline = self.pipeline
+        found = None if pipeline is None else pipeline.follower_of(req.id)
         if found is None:
-            return self.allocator.free(req) is not None
+            freed = self.allocator.free(req)
+            if freed is not None and pipeline is not None:
+                pipeline.ended(req, freed)
+            return freed is not None
         follower, ml = found
         labels = job_labels(follower.name, follower.request_dict)
         moved = self.allocator.hand_over(req, follower, follower.id, ml, labels=labels)
+        pipeline.router.handed_over(follower.id)
         if moved is None:  # its needs no longer fit: it runs, unaccounted (never expected)
             log.error("ojs-ml: %s was written behind %s but cannot take its devices",
                       follower.id, req.id)  # fmt: skip
-            self.pipeline.router.handed_over(follower.id)
             return self.allocator.free(req) is not None
-        self.pipeline.router.handed_over(follower.id)
+        pipeline.ended(req, moved[0])
         self._account(follower, moved[1])
         held = self.allocator.held()
         if held and rank(held[0].band) > rank(moved[1].band):  # it waits for these devices

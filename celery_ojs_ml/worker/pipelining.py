@@ -13,6 +13,10 @@ Key decisions:
   job ends `Allocator.hand_over` gives it exactly those devices (the backfill rule does
   not apply: it is already in the child), and its lease, start and event follow as at
   any dispatch. Pinned where CUDA was born: its devices are those the child is bound to.
+* Only behind short jobs: the last run of the follower's task here took at most
+  `ojs_ml_grant_wait_s`. A follower's start is recorded when it is written (a copy
+  the scheduler fenced must never reach a child), so it can no longer be taken back
+  or given back; behind a long job it would wait where a free worker could run it.
 * Only where nothing else is owed those devices: no job is held at the gate (or the
   follower is the first held, in queue order); the job ahead is not being stopped,
   fenced or preempted, was not moved onto other devices, and has nothing behind it
@@ -23,6 +27,8 @@ Key decisions:
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +59,14 @@ class Pipeline:
         self.requirements, self.batched = requirements, batched
         self.followers: dict[str, tuple[Any, MLRequirements]] = {}
         """Task id of a running job -> the request written behind it, with its requirements."""
+        self.last_run_s: dict[str, float] = {}
+        """Task name -> how long its last run here took (bounded)."""
+
+    def ended(self, req: Any, alloc: Allocation) -> None:
+        """A job ended: remember how long its task runs."""
+        if len(self.last_run_s) > 1000:
+            self.last_run_s.clear()
+        self.last_run_s[str(req.name)] = time.monotonic() - alloc.started_at
 
     def ahead_for(self, req: Any, ml: MLRequirements) -> Allocation | None:
         """The allocation of a running job `req` may follow, or None."""
@@ -73,7 +87,8 @@ class Pipeline:
         return self.followers.pop(task_id, None)
 
     def _may_follow_at_all(self, req: Any, ml: MLRequirements) -> bool:
-        return not (
+        short = self.last_run_s.get(str(req.name), math.inf) <= self.settings.grant_wait_s
+        return short and not (
             ml.ext_ml_reservation_id is not None
             or RENDEZVOUS in req.request_dict
             or (ml.ext_ml_gpu_count or 0) < 1

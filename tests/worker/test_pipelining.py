@@ -13,6 +13,7 @@ import pytest
 
 from celery_ojs_ml.allocator import Pending
 from celery_ojs_ml.worker import warm_pool
+from celery_ojs_ml.worker.pipelining import Pipeline
 from tests.allocator.helpers import allocator, job, run, started, waiting
 from tests.worker.test_warm_routing import (  # noqa: F401
     BUSY,
@@ -24,6 +25,13 @@ from tests.worker.test_warm_routing import (  # noqa: F401
 )
 
 ONE = job(gpu_count=1)
+
+
+class Req:
+    """A celery Request as the gate keys it (by identity)."""
+
+    def __init__(self, task_id: str, headers: dict[str, Any] | None = None) -> None:
+        self.id, self.name, self.request_dict = task_id, "serve", headers or {}
 
 
 class FairPool(Pool):
@@ -126,3 +134,46 @@ def test_a_hand_over_from_a_job_that_holds_nothing_gives_nothing() -> None:
     started(a.try_alloc("x", "x", ONE))
     assert a.hand_over("gone", "next", "next", ONE) is None
     assert [x.task_id for x in a.allocations()] == ["x"]
+
+
+def _pipeline(lead_runs: float | None) -> tuple[Pipeline, Any]:
+    """A Pipeline over an allocator running `lead` (1 GPU); `lead_runs`: how long the
+    task's last run took here (None: it never ran)."""
+    from celery_ojs_ml.wire.settings import OJSMLSettings
+    from celery_ojs_ml.worker.running import Running
+
+    a = allocator()
+    lead = Req("lead")
+    started(a.try_alloc(lead, "lead", ONE))
+    router = SimpleNamespace(may_follow=lambda task_id: True, follow=lambda *args: None)
+    pipe = Pipeline(OJSMLSettings(), a, Running(), set(), router=router,  # type: ignore[arg-type]
+                    requirements=lambda req: ONE, batched=lambda req: False)  # fmt: skip
+    if lead_runs is not None:
+        pipe.last_run_s["serve"] = lead_runs
+    return pipe, lead
+
+
+@pytest.mark.parametrize(
+    ("last_run", "follows"), [(None, False), (0.004, True), (30.0, False)],
+    ids=["never ran here", "short", "long"],
+)  # fmt: skip
+def test_a_job_follows_only_a_task_whose_last_run_here_was_short(
+    last_run: float | None, follows: bool
+) -> None:
+    pipe, lead = _pipeline(last_run)
+    follower = Req("next")
+    found = pipe.ahead_for(follower, ONE)
+    assert (found is not None and found.key is lead) is follows
+
+
+def test_a_job_with_other_needs_a_gang_rank_or_a_second_follower_follows_nothing() -> None:
+    pipe, _ = _pipeline(0.004)
+    other = Req("x")
+    assert pipe.ahead_for(other, job(gpu_count=1, gpu_memory_min_gb=40)) is None
+    rank = Req("r", {"ojs_rendezvous": {}})
+    assert pipe.ahead_for(rank, ONE) is None
+    first = Req("n1")
+    found = pipe.ahead_for(first, ONE)
+    assert found is not None
+    pipe.follow(first, ONE, found)
+    assert pipe.ahead_for(Req("n2"), ONE) is None
