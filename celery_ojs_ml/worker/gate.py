@@ -274,7 +274,7 @@ class Gate(GateRelease):
         """Record a job that starts on `alloc`: its devices, lease and start (at dispatch, or
         at the hand-over of a job written behind another)."""
         headers = req.request_dict
-        if headers.get(PREFETCH):
+        if headers.get(PREFETCH) and not self.ahead_enough():
             self.wake_scheduler()  # a job held ahead started: the leader may send the next one
         self.devices_by_id[req.id] = tuple(alloc.devices)
         self.requests[req.id] = req

@@ -31,6 +31,7 @@ from celery.worker import state as worker_state
 from celery_ojs_ml.allocator import Allocation, Allocator
 from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.spec.resources import MLRequirements
+from celery_ojs_ml.wire.headers import PREFETCH
 from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.assigned import Assignments, token_of
@@ -128,9 +129,25 @@ class GateRelease:
             self._ack(done)
         # After the pump: the advertisement then already counts the job it started.
         with self.lock:
-            quiet = self.grants.quiet_release(req)
+            quiet = self.grants.quiet_release(req) or self.ahead_enough()
         if not quiet:
             self.wake_scheduler()
+
+    def ahead_enough(self) -> bool:
+        """Whether at least half of `ojs_ml_prefetch` (rounded up) jobs the scheduler sent
+        ahead still wait here, held or written behind a running job: a job's end or start
+        then needs no wake-up (what it freed goes to them; the scheduler is woken to send
+        more once they run low, and passes on its interval anyway)."""
+        want = (self.settings.prefetch + 1) // 2
+        if want < 1:
+            return False
+        ahead = len(self.pipeline.followers) if self.pipeline is not None else 0
+        for key in self.allocator.held_keys():
+            headers = getattr(key, "request_dict", None) or {}
+            ahead += bool(headers.get(PREFETCH))
+            if ahead >= want:
+                return True
+        return ahead >= want
 
     def _free_or_hand_over(self, req: Any) -> bool:
         """Free an ended job's allocation, or hand it to the job written behind it

@@ -11,9 +11,13 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from celery_ojs_ml.allocator import Allocation
 from celery_ojs_ml.child import warm_slot
 from celery_ojs_ml.store.lease_writer import LeaseWriter
+from celery_ojs_ml.wire.headers import PREFETCH
+from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker import warm_pool
 from celery_ojs_ml.worker.gate import Gate
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
@@ -66,6 +70,7 @@ def gate_with(calls: list[tuple[str, ...]], *, acks_at_release: bool) -> tuple[A
         write_now=lambda: calls.append(("write_now",)),
     )
     gate.grants = SimpleNamespace(granted_held=set(), quiet_release=lambda req: False)
+    gate.settings = OJSMLSettings()
     gate.c = SimpleNamespace(hub=None, qos=SimpleNamespace(decrement_eventually=lambda: None))
     return gate, done, held
 
@@ -109,6 +114,24 @@ def test_a_release_with_nothing_held_pumps_on_the_next_turn_and_wakes_the_leader
     gate.release(done)
     assert soon == [gate.pump] and calls[-2:] == [("ack", "done"), ("wake",)]
     assert not any(c[0] in ("dispatch", "write_now") for c in calls)
+
+
+@pytest.mark.parametrize(("sent_ahead", "wakes"), [(1, True), (2, False)])
+def test_a_release_wakes_the_leader_only_once_the_jobs_sent_ahead_run_low(
+    sent_ahead: int, wakes: bool
+) -> None:
+    """`ojs_ml_prefetch` 2: while one job sent ahead still waits after the release
+    started another, the scheduler has nothing to send; it is woken when none is left."""
+    calls: list[tuple[str, ...]] = []
+    gate, done, held = gate_with(calls, acks_at_release=True)
+    held.request_dict[PREFETCH] = True
+    for n in range(sent_ahead - 1):
+        more = Req(f"ahead-{n}")
+        more.request_dict[PREFETCH] = True
+        gate.allocator.hold(waiting(gate.allocator.try_alloc(more, more.id, FOUR)))
+    gate.release(done)
+    assert ("dispatch", "held", "0", "1", "2", "3") in calls
+    assert (("wake",) in calls) is wakes
 
 
 def test_write_now_routes_the_waiting_job_to_an_idle_child(bound_children: None) -> None:  # noqa: F811
