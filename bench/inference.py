@@ -160,6 +160,8 @@ def run_variant(
     latencies = sorted(1000 * (r["end"] - r["published"]) for r in lat)
     return {
         "throughput": len(burst) / (max(ends) - burst_start),
+        "first_start_ms": 1000 * (min(r["start"] for r in burst) - burst_start),
+        "steady_throughput": _steady(burst),
         "cold_in_burst": sum(r["cold"] for r in burst),
         "p50_ms": statistics.median(latencies),
         "p90_ms": latencies[int(0.9 * (len(latencies) - 1))],
@@ -170,6 +172,13 @@ def run_variant(
         **trace,
         **({"mismatches": mismatches(burst + lat)} if args.real else {}),
     }
+
+
+def _steady(burst: list[dict[str, Any]]) -> float:
+    """Requests/s from the first request's start to the last one's end (the burst's
+    throughput without the wait for its first start)."""
+    span = max(r["end"] for r in burst) - min(r["start"] for r in burst)
+    return (len(burst) - 1) / span if span > 0 else 0.0
 
 
 def _p10_p90(values: list[float]) -> list[float]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from celery_ojs_ml.matching import MatchResult, Reason, Verdict, pending_message
-from celery_ojs_ml.scheduler.fleet import FleetView, Group
+from celery_ojs_ml.scheduler.candidates import Group
+from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.slot import Slot
 
@@ -47,6 +48,7 @@ class Annotator:
     def __init__(self, view: FleetView) -> None:
         self.view = view
         self._messages: dict[Hashable, str] = {}
+        self._outcomes: dict[Hashable, tuple[bool, bool, str | None]] = {}
 
     def reason(self, ask: Ask) -> str:
         """The pending message of a waiting job."""
@@ -61,13 +63,23 @@ class Annotator:
     def _reserved_outcomes(self, ask: Ask) -> list[tuple[int, bool, bool]]:
         """(worker, may backfill, holds it) for each reserved worker the job could fit now."""
         out = []
-        for group in self.view.eligible(ask.job):
+        job = ask.job
+        for group in self.view.eligible(job):
             for i in group.reserved:
-                slot = self.view.slots[i]
-                if self._fits(ask, group, slot):
-                    mine = slot.first_holder() == ask.job.task_id
-                    out.append((i, self.view.may_backfill(ask, slot), mine))
+                key = (job.class_key, ask.want, ask.dedicated, ask.end, i)
+                found = self._outcomes.get(key)
+                if found is None:
+                    found = self._outcomes[key] = self._outcome(ask, group, self.view.slots[i])
+                if found[0]:
+                    out.append((i, found[1], found[2] == job.task_id))
         return out
+
+    def _outcome(self, ask: Ask, group: Group, slot: Slot) -> tuple[bool, bool, str | None]:
+        """Whether alike jobs fit `slot` now and may backfill it, and its first holder
+        (the same for every job with the same needs and end: the pass is over)."""
+        if not self._fits(ask, group, slot):
+            return False, False, None
+        return True, self.view.may_backfill(ask, slot), slot.first_holder()
 
     def _fits(self, ask: Ask, group: Group, slot: Slot) -> bool:
         found = self.view.verdict(ask.job, group, slot.shape())

@@ -25,9 +25,10 @@ from celery_ojs_ml.scheduler.budget import BudgetBook
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fair import holdings, pass_order
-from celery_ojs_ml.scheduler.fleet import FleetView, Memo
+from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.frag import Kind, kind_of
 from celery_ojs_ml.scheduler.gang import Gang, place_now, ready_gangs, start_at
+from celery_ojs_ml.scheduler.memo import Memo
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
     Annotation,

@@ -40,6 +40,7 @@ class Estimator:
         self.view = view
         self._heaps: dict[tuple[str, str, bool], list[Entry]] = {}
         self._asks: dict[tuple[str, str, bool], tuple[Ask, frozenset[int]]] = {}
+        self._keys: dict[tuple[int, Vec], tuple[int, float]] = {}
 
     def need(self, ask: Ask, slot: Slot) -> Vec:
         """What the job needs free on `slot`: its footprint, or the whole worker."""
@@ -102,8 +103,16 @@ class Estimator:
         return heap
 
     def _key(self, ask: Ask, slot: Slot) -> float:
-        """When the footprint stays free on `slot` for ever: a start any time limit can use."""
-        return slot.timeline().earliest(self.need(ask, slot))
+        """When the footprint stays free on `slot` for ever: a start any time limit can use
+        (kept per worker version and footprint: kinds of job with equal needs share it)."""
+        need = self.need(ask, slot)
+        key = (slot.idx, need)
+        hit = self._keys.get(key)
+        if hit is not None and hit[0] == slot.version:
+            return hit[1]
+        start = slot.timeline().earliest(need)
+        self._keys[key] = (slot.version, start)
+        return start
 
     def drain_target(self, ask: Ask) -> Slot | None:
         """With no known start anywhere: the eligible worker that lacks least now."""

@@ -7,7 +7,8 @@ are interchangeable for matching and scoring. So `match` runs once per
 (requirement class, group, shape), not once per worker, and "which groups can
 ever run this class" is remembered across passes in a `Memo`. Workers that
 carry a reservation leave their shape bucket: each needs its own backfill
-check against its timeline.
+check against its timeline. The start-now search keeps fit checks by (job needs, group,
+shape) and picks by (bucket, job end) until the bucket changes (`candidates`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ import math
 from collections.abc import Hashable, Sequence
 
 from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
-from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
+from celery_ojs_ml.scheduler.candidates import (
+    Candidate,
+    Group,
+    Key,
+    Rank,
+    Ties,
+    share_fits,
+    wants_link,
+)
 from celery_ojs_ml.scheduler.drains import Drains
+from celery_ojs_ml.scheduler.memo import Memo as Memo  # `scheduler.Memo` comes from here
 from celery_ojs_ml.scheduler.model import PendingJob, Policy, RunningJob, WorkerState
 from celery_ojs_ml.scheduler.nofit import NoFit
 from celery_ojs_ml.scheduler.order import Ask
@@ -36,65 +46,7 @@ from celery_ojs_ml.scheduler.vectors import (
     to_free,
     totals_of,
 )
-from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
-
-_MEMO_MAX = 50_000
-
-
-class Memo:
-    """What outlives a pass: capability keys, and which capabilities can ever run a class."""
-
-    def __init__(self) -> None:
-        self._keys: dict[tuple[int, bool], tuple[Capabilities, str]] = {}
-        self._ever: dict[tuple[str, str], MatchResult] = {}
-
-    def caps_key(self, caps: Capabilities, *, exact: bool) -> str:
-        """A key equal for equal capabilities; the worker id counts only when `exact`."""
-        hit = self._keys.get((id(caps), exact))
-        if hit is not None and hit[0] is caps:
-            return hit[1]
-        key = caps.model_dump_json(exclude=None if exact else {"worker_id"})
-        if len(self._keys) >= _MEMO_MAX:
-            self._keys.clear()
-        self._keys[(id(caps), exact)] = (caps, key)  # holds caps, so its id is not reused
-        return key
-
-    def ever(self, job: PendingJob, caps_key: str, caps: Capabilities) -> MatchResult:
-        """`match` with no free capacity: NEVER means this class can never run there."""
-        key = (job.class_key, caps_key)
-        hit = self._ever.get(key)
-        if hit is None:
-            if len(self._ever) >= _MEMO_MAX:
-                self._ever.clear()
-            hit = self._ever[key] = match(job.req, caps)
-        return hit
-
-
-class Group:
-    """Workers with equal capabilities and queues, bucketed by free shape."""
-
-    __slots__ = (
-        "away",
-        "buckets",
-        "caps",
-        "caps_key",
-        "drains",
-        "idx",
-        "members",
-        "queues",
-        "reserved",
-    )
-
-    def __init__(self, idx: int, caps: Capabilities, caps_key: str, queues: frozenset[str]):
-        self.idx = idx
-        self.caps = caps
-        self.caps_key = caps_key
-        self.queues = queues
-        self.buckets: dict[Shape, dict[int, None]] = {}
-        self.drains: dict[Shape, Drains] = {}  # built when a busy bucket is first searched
-        self.reserved: dict[int, None] = {}
-        self.away: list[int] = []
-        self.members: list[int] = []  # available workers, in fleet order
+from celery_ojs_ml.spec.resources import gpu_share
 
 
 class FleetView:
@@ -119,6 +71,11 @@ class FleetView:
         self._verdicts: dict[tuple[str, int, Shape], MatchResult] = {}
         self._scores: dict[tuple[Hashable, ...], PlacementScore] = {}
         self._frees: dict[Shape, FreeCapacity] = {}
+        self._ask_ids: dict[Hashable, int] = {}
+        self._fit_scores: dict[tuple[int, int, int], tuple[Shape, PlacementScore | None]] = {}
+        self._lowest: dict[tuple[int, float | None], tuple[int, Vec]] = {}
+        self._best_buckets: dict[tuple[int, int], tuple[int, Key | None, list[Candidate]]] = {}
+        self._picks: dict[int, tuple[dict[int, None], dict[float | None, Rank]]] = {}
         self.nofit = NoFit()
         """Jobs known not to fit now (`scheduler.nofit`)."""
         self._group_all()
@@ -204,48 +161,104 @@ class FleetView:
         A worker with a free pool process comes first: on one whose processes are all
         busy the job would wait in the pool's queue, holding its devices. Ties go to
         the worker whose jobs end latest, up to the job's own end (`aligned`), then
-        to a worker without a reservation, then to the first in the fleet.
+        to a worker without a reservation, then to the first in the fleet. A bucket's
+        workers share processes and score: only what reaches the best pair goes on (`Ties`).
         """
         if self.nofit.known(ask):
             return None
-        best: tuple[bool, float, float, bool, int] | None = None
-        found: tuple[Slot, PlacementScore] | None = None
-        for group in self.eligible(ask.job):
-            for slot, score in self._candidates(ask, group):
-                starts = slot.free[4] >= 1  # infinite where processes are not counted
-                rank = (starts, score.total, aligned(slot, ask.end), not slot.reserved, -slot.idx)
-                if best is None or rank > best:
-                    best, found = rank, (slot, score)
+        kid = self._ask_id(ask)
+        ties: Ties[Candidate] = Ties()
+        eligible = self.eligible(ask.job)
+        for group in eligible:
+            top, items = self._fitting(kid, ask, group)
+            if top is not None:
+                ties.offer_all(top, items)
+        for group in eligible:
+            for i in group.reserved:
+                slot = self.slots[i]
+                score = None if slot.closed else self._fit_score(kid, ask, group, slot.shape())
+                key = (slot.free[4] >= 1, 0.0 if score is None else score.total)
+                if score is not None and not ties.below(key) and self.may_backfill(ask, slot):
+                    ties.offer(key, (group, slot.shape(), {}, score, slot))
+        found = self._best_tied(ties, ask.end)
         if found is None:
             self.nofit.record(ask)
         return found
 
-    def _candidates(self, ask: Ask, group: Group) -> list[tuple[Slot, PlacementScore]]:
-        out = []
+    def _best_tied(
+        self, ties: Ties[Candidate], end: float | None
+    ) -> tuple[Slot, PlacementScore] | None:
+        """Among candidates tied on (free process, score): the most `aligned` worker,
+        then one without a reservation, then the first in the fleet."""
+        best: tuple[Rank, PlacementScore] | None = None
+        for group, shape, members, score, held in ties.items:
+            if held is None:
+                rank = self._bucket_rank(group, shape, members, end)
+            else:
+                rank = (aligned(held, end), not held.reserved, -held.idx)
+            if best is None or rank > best[0]:
+                best = (rank, score)
+        return None if best is None else (self.slots[-best[0][2]], best[1])
+
+    def _bucket_rank(
+        self, group: Group, shape: Shape, members: dict[int, None], end: float | None
+    ) -> Rank:
+        """The rank of the bucket's `_pick` for a job ending at `end`, kept until a worker
+        joins or leaves the bucket (the entry holds `members`, so its id stays unique)."""
+        kept = self._picks.get(id(members))
+        if kept is None or kept[0] is not members:
+            kept = self._picks[id(members)] = (members, {})
+        rank = kept[1].get(end)
+        if rank is None:
+            slot = self._pick(group, shape, members, end)
+            rank = kept[1][end] = (aligned(slot, end), True, -slot.idx)
+        return rank
+
+    def _ask_id(self, ask: Ask) -> int:
+        """A small number for what `fits` and `score` read of a job, so the per-bucket
+        cache hashes ints rather than the job's requirements."""
+        job, req = ask.job, ask.job.req
+        share, link = gpu_share(req), wants_link(req)
+        key = (job.class_key, ask.want, ask.dedicated, ask.soft, job.gpu_affinity, share, link)
+        return self._ask_ids.setdefault(key, len(self._ask_ids))
+
+    def _fitting(self, kid: int, ask: Ask, group: Group) -> tuple[Key | None, list[Candidate]]:
+        """The job's best buckets in `group`, kept until the group gains or loses a bucket."""
+        key = (kid, group.idx)
+        hit = self._best_buckets.get(key)
+        if hit is not None and hit[0] == group.shapes:
+            return hit[1], hit[2]
+        ties: Ties[Candidate] = Ties()
         for shape, members in group.buckets.items():
-            if self.fits(ask, group, shape):
-                slot = self._pick(group, shape, members, ask.end)
-                out.append((slot, self.score(ask, group, shape)))
-        for i in group.reserved:
-            slot = self.slots[i]
-            if slot.closed:
-                continue
-            shape = slot.shape()
-            if self.fits(ask, group, shape) and self.may_backfill(ask, slot):
-                out.append((slot, self.score(ask, group, shape)))
-        return out
+            score = self._fit_score(kid, ask, group, shape)
+            if score is not None:
+                ties.offer((shape[0][4] >= 1, score.total), (group, shape, members, score, None))
+        self._best_buckets[key] = (group.shapes, ties.key, ties.items)
+        return ties.key, ties.items
+
+    def _fit_score(self, kid: int, ask: Ask, group: Group, shape: Shape) -> PlacementScore | None:
+        """The score of the job on `group`'s workers in `shape` if it fits there, else None
+        (kept by job and shape; the entry holds the shape, so its id is not reused)."""
+        key = (kid, group.idx, id(shape))
+        hit = self._fit_scores.get(key)
+        if hit is not None and hit[0] is shape:
+            return hit[1]
+        score = self.score(ask, group, shape) if self.fits(ask, group, shape) else None
+        self._fit_scores[key] = (shape, score)
+        return score
 
     def _pick(
         self, group: Group, shape: Shape, members: dict[int, None], end: float | None
     ) -> Slot:
         """The bucket's worker with the highest `aligned`, the first on a tie."""
-        if shape[2]:  # idle workers all drain now: the first one is as good as any
-            return self.slots[next(iter(members))]
+        first, until = self.slots[next(iter(members))], math.inf if end is None else end
+        if shape[2] or first.drain_at() >= until:  # idle, or outlasts the job: none better
+            return first
         drains = group.drains.get(shape)
         if drains is None:
             drains = Drains((i, self.slots[i].drain_at()) for i in members)
             group.drains[shape] = drains
-        return self.slots[drains.pick(math.inf if end is None else end)]
+        return self.slots[drains.pick(until)]
 
     def fits(self, ask: Ask, group: Group, shape: Shape) -> bool:
         """Whether `ask` fits any worker of `group` in `shape` now (backfill aside)."""
@@ -259,8 +272,17 @@ class FleetView:
 
     def may_backfill(self, ask: Ask, slot: Slot) -> bool:
         """Whether starting now leaves every firm hold on `slot` its capacity (see backfill)."""
-        want = self.taken(ask, slot)
-        return covers(slot.timeline().lowest_between(self.now, ask.end), want)
+        return covers(self.lowest(slot, ask.end), self.taken(ask, slot))
+
+    def lowest(self, slot: Slot, end: float | None) -> Vec:
+        """The least free on `slot` from now to `end` (its timeline's, kept per version)."""
+        key = (slot.idx, end)
+        hit = self._lowest.get(key)
+        if hit is not None and hit[0] == slot.version:
+            return hit[1]
+        low = slot.timeline().lowest_between(self.now, end)
+        self._lowest[key] = (slot.version, low)
+        return low
 
     def taken(self, ask: Ask, slot: Slot) -> Vec:
         """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`.
@@ -338,11 +360,13 @@ class FleetView:
         shape = slot.shape()
         members = group.buckets[shape]
         del members[slot.idx]
+        self._picks.pop(id(members), None)
         drains = group.drains.get(shape)
         if drains is not None:
             drains.remove(slot.idx)
         if not members:
             del group.buckets[shape]
+            group.shapes += 1
             group.drains.pop(shape, None)
 
     def _rebucket(self, slot: Slot) -> None:
@@ -353,7 +377,12 @@ class FleetView:
             group.reserved[slot.idx] = None
         else:
             shape = slot.shape()
-            group.buckets.setdefault(shape, {})[slot.idx] = None
+            members = group.buckets.get(shape)
+            if members is None:
+                members = group.buckets[shape] = {}
+                group.shapes += 1
+            members[slot.idx] = None
+            self._picks.pop(id(members), None)
             drains = group.drains.get(shape)
             if drains is not None:
                 drains.add(slot.idx, slot.drain_at())
@@ -368,19 +397,3 @@ def aligned(slot: Slot, end: float | None) -> float:
     stay free to drain for a large job (best fit in time).
     """
     return min(slot.drain_at(), math.inf if end is None else end)
-
-
-def share_fits(req: MLRequirements, caps: Capabilities, free: tuple[int, ...] | None) -> bool:
-    """Whether a share job fits a device now: sharing on (`free` reported), its milli-GPU
-    known there (a VRAM share needs `gpu.memory_gb`) and some device with that much left."""
-    milli = share_milli(req, caps)
-    return free is not None and milli is not None and pick_share(free, milli) is not None
-
-
-def wants_link(req: MLRequirements) -> bool:
-    """Whether the job's GPUs must be NVLink peers of each other (§3.2 `nvlink`, 2+ GPUs)."""
-    return (
-        req.ext_ml_gpu_interconnect == "nvlink"
-        and (req.ext_ml_gpu_count or 0) > 1
-        and gpu_share(req) is None
-    )

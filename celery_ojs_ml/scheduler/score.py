@@ -30,6 +30,10 @@ FRAGMENTATION_WEIGHT = 0.995
 GPU_FIT_WEIGHT = 0.005
 HOST_FIT_WEIGHT = 0.0
 """Reported by `explain`, not weighed: best fit on cores and memory allocates less."""
+WHOLE_SCALE = 1000.0
+"""Milli-GPU of fragmentation growth per unit of `fgd_points`' sigmoid: FGD's, one GPU."""
+SHARE_SCALE = 500.0
+"""The same where the workload holds GPU shares (`Workload.of_counts`, docs/performance.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,8 @@ class Workload:
     """GPUs of the largest worker in the fleet, the scale of every GPU term."""
     mix: Mix = field(default_factory=Mix)
     """The kinds of job (CPU, GPUs, milli per GPU, models) FGD's fragment is taken over."""
+    scale: float = WHOLE_SCALE
+    """Milli-GPU of growth per unit of the score's sigmoid (`fgd_points`)."""
 
     @classmethod
     def of(cls, gpu_counts: Iterable[int], largest: int = 8) -> Workload:
@@ -61,6 +67,9 @@ class Workload:
         `sizes`: the GPU counts of the fleet's workers, whose whole-worker jobs
         keep a share of the mix (`frag.with_sizes`). `models`: the fleet's GPUs
         of each model, which weigh kinds limited to scarce models (`frag.by_access`).
+        The growth is scored at `SHARE_SCALE` when some kind asks for a GPU share:
+        a fraction of a GPU then decides whether the next job fits, so finer
+        points than FGD's one-GPU scale let best fit break fewer, closer ties.
         """
         return cls.of_counts(Counter(kinds), largest, sizes, models)
 
@@ -80,7 +89,8 @@ class Workload:
         total = sum(counts.values())
         shares = tuple(sorted((g, n / total) for g, n in counts.items())) if total else ()
         mix = by_access(with_sizes(Mix.of(kinds, coverage=1.0), sizes), models or {})
-        return cls(shares, max(largest, 1), mix)
+        shared = any(k.gpus > 0 and k.milli < FULL for k in kinds)
+        return cls(shares, max(largest, 1), mix, SHARE_SCALE if shared else WHOLE_SCALE)
 
     def fragment(self, free_gpus: float) -> float:
         """Expected GPUs of `free_gpus` that the next job cannot use (FGD's F)."""
@@ -141,13 +151,13 @@ def score_placement(
 
     The free milli-GPU of a worker are a fragment for every kind of job in the
     workload that cannot use them; the placement that grows the expected fragment
-    least wins, scored as FGD scores it (`fgd_points`), so placements within a few
-    hundred milli-GPU of each other tie. Best fit on GPUs (fewest left over) breaks
-    those ties, at a weight too small to trade against a point of fragmentation;
-    host fit is reported but not weighed. So a CPU job takes the worker with the
-    fewest free GPUs (a CPU worker first), a 1-GPU job the 1-GPU worker, and an idle
-    8-GPU worker stays whole. `spread` inverts the GPU terms (most left over);
-    `dedicated` is placed like `pack` and takes the whole worker.
+    least wins, scored as FGD scores it (`fgd_points`, on `workload.scale`), so
+    placements whose growths differ by a few tens of milli-GPU tie. Best fit on GPUs
+    (fewest left over) breaks those ties, at a weight too small to trade against a
+    point of fragmentation; host fit is reported but not weighed. So a CPU job takes
+    the worker with the fewest free GPUs (a CPU worker first), a 1-GPU job the 1-GPU
+    worker, and an idle 8-GPU worker stays whole. `spread` inverts the GPU terms
+    (most left over); `dedicated` is placed like `pack` and takes the whole worker.
     """
     running = free.running_labels
     weight = policy.locality_weight
@@ -187,7 +197,7 @@ def placement(
     if gpu_affinity == "spread":
         frag = gpu_fit = normalise(left, 0.0, scale)
     else:
-        frag = fgd_points(grown[0] if grown else 0.0)
+        frag = fgd_points(grown[0] if grown else 0.0, workload.scale)
         gpu_fit = normalise(-left, -scale, 0.0)
     host = _host_fit(want, free, totals, spread=gpu_affinity == "spread")
     packing = round(
@@ -198,9 +208,12 @@ def placement(
     return PlacementScore(total, packing, frag, gpu_fit, host, affinity)
 
 
-def fgd_points(grown: float) -> float:
-    """FGD's score of a fragmentation growth (milli-GPU): 100 sigmoid(-growth / 1000), cut."""
-    return float(int(100.0 / (1.0 + math.exp(min(grown / 1000.0, 700.0)))))
+def fgd_points(grown: float, scale: float = WHOLE_SCALE) -> float:
+    """FGD's score of a fragmentation growth (milli-GPU): 100 sigmoid(-growth / scale), cut.
+
+    `scale`: FGD's is 1000, one GPU (`Workload.scale`).
+    """
+    return float(int(100.0 / (1.0 + math.exp(min(grown / scale, 700.0)))))
 
 
 def _host_fit(want: Vec, free: Vec, totals: Vec, *, spread: bool) -> float:

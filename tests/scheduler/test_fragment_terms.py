@@ -1,11 +1,17 @@
-"""What FGD's fragment counts here beyond GPUs and CPU: memory, and scarce GPU models."""
+"""What FGD's fragment counts here beyond GPUs and CPU: memory, scarce GPU models, share scale."""
 
 from __future__ import annotations
 
 from celery_ojs_ml.allocator.sharing import FULL
 from celery_ojs_ml.scheduler import DEFAULT_POLICY, Workload
 from celery_ojs_ml.scheduler.frag import Kind, Mix, by_access, fragment, growth, kind_of
-from celery_ojs_ml.scheduler.score import gpus_by_model, placement
+from celery_ojs_ml.scheduler.score import (
+    SHARE_SCALE,
+    WHOLE_SCALE,
+    fgd_points,
+    gpus_by_model,
+    placement,
+)
 from celery_ojs_ml.scheduler.vectors import INF
 from tests.scheduler.helpers import caps, decide, job, worker
 
@@ -80,3 +86,29 @@ def test_the_pass_weighs_kinds_by_the_fleets_models() -> None:
     # by jobs alone the h100 worker would take it (fewer jobs can use only it)
     assert placed["any"].startswith("a")
     assert placed["h100"] == "h"
+
+
+def test_a_workload_with_gpu_shares_scores_growth_on_a_finer_scale() -> None:
+    whole = Workload.of_kinds([Kind(gpus=1), Kind(cpu=4), Kind(gpus=8)])
+    shared = Workload.of_kinds([Kind(gpus=1), Kind(gpus=1, milli=300)])
+    assert whole.scale == WHOLE_SCALE == 1000  # FGD's: one GPU
+    assert shared.scale == SHARE_SCALE < WHOLE_SCALE
+    # growths 20 milli apart tie on FGD's scale; with shares they no longer do
+    assert fgd_points(10.0, whole.scale) == fgd_points(30.0, whole.scale)
+    assert fgd_points(10.0, shared.scale) > fgd_points(30.0, shared.scale)
+
+
+def test_the_placement_scores_growth_on_the_workloads_scale() -> None:
+    kinds = [Kind(gpus=1, milli=500), Kind(gpus=2)]
+    shared = Workload.of_kinds(kinds)
+    coarse = Workload(shared.shares, shared.largest, shared.mix, WHOLE_SCALE)
+    want = (1.0, 1.0, 1.0, 0.0, 1.0)
+    free = (2.0, 64.0, 256.0, INF, INF)
+    totals = (2.0, 64.0, 256.0, 0.0, 0.0)
+    fine, wide = (
+        placement(want, free, totals, 0.0, w, "pack", DEFAULT_POLICY, devices=(FULL, FULL))
+        for w in (shared, coarse)
+    )
+    # a whole GPU taken from an idle pair leaves one GPU a 2-GPU job cannot use
+    assert fine.fragmentation == fgd_points(FULL / 2, SHARE_SCALE)
+    assert wide.fragmentation == fgd_points(FULL / 2) > fine.fragmentation

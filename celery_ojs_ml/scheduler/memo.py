@@ -1,0 +1,45 @@
+"""What outlives a pass: capability keys, and which capabilities can ever run a class.
+
+Key decision: both are keyed so a lookup is cheap on the next pass over the same
+fleet: a worker's capabilities object by identity (the registry hands the same
+object back while the advertisement is unchanged), the "ever" answer by
+(requirement class, capability key). Both are bounded and simply cleared when full.
+"""
+
+from __future__ import annotations
+
+from celery_ojs_ml.capabilities import Capabilities
+from celery_ojs_ml.matching import MatchResult, match
+from celery_ojs_ml.scheduler.model import PendingJob
+
+MEMO_MAX = 50_000
+"""Entries per table before it is cleared."""
+
+
+class Memo:
+    """What outlives a pass: capability keys, and which capabilities can ever run a class."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, bool], tuple[Capabilities, str]] = {}
+        self._ever: dict[tuple[str, str], MatchResult] = {}
+
+    def caps_key(self, caps: Capabilities, *, exact: bool) -> str:
+        """A key equal for equal capabilities; the worker id counts only when `exact`."""
+        hit = self._keys.get((id(caps), exact))
+        if hit is not None and hit[0] is caps:
+            return hit[1]
+        key = caps.model_dump_json(exclude=None if exact else {"worker_id"})
+        if len(self._keys) >= MEMO_MAX:
+            self._keys.clear()
+        self._keys[(id(caps), exact)] = (caps, key)  # holds caps, so its id is not reused
+        return key
+
+    def ever(self, job: PendingJob, caps_key: str, caps: Capabilities) -> MatchResult:
+        """`match` with no free capacity: NEVER means this class can never run there."""
+        key = (job.class_key, caps_key)
+        hit = self._ever.get(key)
+        if hit is None:
+            if len(self._ever) >= MEMO_MAX:
+                self._ever.clear()
+            hit = self._ever[key] = match(job.req, caps)
+        return hit
