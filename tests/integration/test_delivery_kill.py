@@ -76,6 +76,11 @@ def _stop(worker: WorkerProcess) -> None:
     os.kill(worker.proc.pid, signal.SIGSTOP)
 
 
+def _advertised_idle(store: OJSStore, worker: WorkerProcess) -> bool:
+    found = store.live_workers().get(worker.hostname)
+    return found is not None and not (found.get("free") or {}).get("allocations", [None])
+
+
 def _completed_once(client: redis.Redis, task_id: str, what: str) -> None:
     _wait(lambda: _result(client, task_id), BOUND_S, what)
     time.sleep(1.0)  # a second copy, if any, would finish about now
@@ -121,6 +126,8 @@ def test_an_assigned_job_taken_by_a_worker_killed_at_once_completes_exactly_once
     with running([doomed], store):
         warm = record.apply_async(args=["warm", 0.0], headers=SPOT).id
         _wait(lambda: _result(redis_client, warm), 30, "the first job")
+        # its result is stored inside the task: the worker advertises its GPU free after
+        _wait(lambda: _advertised_idle(store, doomed), 10, "the worker advertising its GPU free")
         _stop(doomed)
         job = record.apply_async(args=["assigned", 0.1], headers=SPOT).id
         _wait(lambda: (book.get(job) or {}).get("state") == "assigned", 10, "the assignment")
