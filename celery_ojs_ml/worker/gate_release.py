@@ -76,8 +76,7 @@ class GateRelease:
 
     def _account(self, req: Any, alloc: Allocation) -> None: ...
 
-    def follow(self, req: Any, ml: MLRequirements, *, held: bool = False) -> bool:
-        raise NotImplementedError  # `gate.Gate.follow`
+    def follow(self, req: Any, ml: MLRequirements, *, held: bool = False) -> Any: ...
 
     def _releasing(self, req: Any, original: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
