@@ -81,6 +81,13 @@ def _advertised_idle(store: OJSStore, worker: WorkerProcess) -> bool:
     return found is not None and not (found.get("free") or {}).get("allocations", [None])
 
 
+def _fresh_idle(store: OJSStore, worker: WorkerProcess) -> bool:
+    """Idle, and advertised within the last 0.2 s: the stopped worker then stays live
+    (three heartbeats) as long as it can, for the leader to assign it a job."""
+    found = store.live_workers().get(worker.hostname) or {}
+    return _advertised_idle(store, worker) and time.time() - float(found.get("ts", 0)) < 0.2
+
+
 def _completed_once(client: redis.Redis, task_id: str, what: str) -> None:
     _wait(lambda: _result(client, task_id), BOUND_S, what)
     time.sleep(1.0)  # a second copy, if any, would finish about now
@@ -115,7 +122,8 @@ def test_a_granted_job_taken_by_a_holder_killed_at_once_completes_exactly_once(
 def test_an_assigned_job_taken_by_a_worker_killed_at_once_completes_exactly_once(
     redis_url: str, redis_client: redis.Redis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conf = _conf(ojs_ml_grants=False)
+    # live for 3 s once stopped (three heartbeats): time for the leader to assign it the job
+    conf = _conf(ojs_ml_grants=False, ojs_ml_heartbeat_s=1.0)
     monkeypatch.setenv("OJS_TEST_CONF", conf)
     store = OJSStore(redis_client, prefix="ojs")
     app = make_app(redis_url)
@@ -127,7 +135,7 @@ def test_an_assigned_job_taken_by_a_worker_killed_at_once_completes_exactly_once
         warm = record.apply_async(args=["warm", 0.0], headers=SPOT).id
         _wait(lambda: _result(redis_client, warm), 30, "the first job")
         # its result is stored inside the task: the worker advertises its GPU free after
-        _wait(lambda: _advertised_idle(store, doomed), 10, "the worker advertising its GPU free")
+        _wait(lambda: _fresh_idle(store, doomed), 10, "the worker advertising its GPU free")
         _stop(doomed)
         job = record.apply_async(args=["assigned", 0.1], headers=SPOT).id
         _wait(lambda: (book.get(job) or {}).get("state") == "assigned", 10, "the assignment")
