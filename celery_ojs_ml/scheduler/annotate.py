@@ -49,9 +49,27 @@ class Annotator:
         self.view = view
         self._messages: dict[Hashable, str] = {}
         self._outcomes: dict[Hashable, tuple[bool, bool, str | None]] = {}
+        self._alike: dict[Hashable, str] = {}
+        self._holders: set[str] | None = None
 
     def reason(self, ask: Ask) -> str:
-        """The pending message of a waiting job."""
+        """The pending message of a waiting job: the same for every job with the same class,
+        queue, affinity, footprint and end, unless it holds a reservation."""
+        job = ask.job
+        if self._holders is None:
+            slots = self.view.slots
+            self._holders = {
+                h for g in self.view.groups for i in g.reserved if (h := slots[i].first_holder())
+            }
+        if job.task_id in self._holders:
+            return self._reason(ask)
+        key = (job.class_key, job.queue, job.gpu_affinity, ask.want, ask.end)
+        hit = self._alike.get(key)
+        if hit is None:
+            hit = self._alike[key] = self._reason(ask)
+        return hit
+
+    def _reason(self, ask: Ask) -> str:
         job = ask.job
         outcomes = tuple(self._reserved_outcomes(ask))
         key = (job.class_key, job.queue, job.gpu_affinity, outcomes)

@@ -28,7 +28,7 @@ from celery_ojs_ml.scheduler.fair import holdings, pass_order
 from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.frag import Kind, kind_of
 from celery_ojs_ml.scheduler.gang import Gang, place_now, ready_gangs, start_at
-from celery_ojs_ml.scheduler.memo import Memo
+from celery_ojs_ml.scheduler.memo import Memo, names_worker
 from celery_ojs_ml.scheduler.model import (
     DEFAULT_POLICY,
     Annotation,
@@ -39,10 +39,9 @@ from celery_ojs_ml.scheduler.model import (
     Policy,
     Preemption,
     Reservation,
-    RunningJob,
     WorkerState,
 )
-from celery_ojs_ml.scheduler.order import Ask, OrderKey
+from celery_ojs_ml.scheduler.order import Ask, Asks, OrderKey
 from celery_ojs_ml.scheduler.pools import (
     PREFIX,
     ReservationPool,
@@ -50,12 +49,11 @@ from celery_ojs_ml.scheduler.pools import (
     open_queues,
     with_pools,
 )
-from celery_ojs_ml.scheduler.preempt import Preemptor
+from celery_ojs_ml.scheduler.preempt import Preemptor, inflight_preemptions
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, gpus_by_model
 from celery_ojs_ml.scheduler.settle import settling
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
 from celery_ojs_ml.scheduler.vectors import sum_of
-from celery_ojs_ml.spec.resources import MLRequirements
 
 
 def schedule(
@@ -100,14 +98,6 @@ def schedule(
     return with_pools(planner.decision(), waiting, jobs, held, fleet, now)
 
 
-def names_worker(req: MLRequirements) -> bool:
-    """Whether a hard constraint names the `worker_id` label (then workers are not grouped)."""
-    if req.ext_ml_node_selector and "worker_id" in req.ext_ml_node_selector:
-        return True
-    specs = (req.ext_ml_affinity, req.ext_ml_anti_affinity)
-    return any(r.key == "worker_id" for s in specs if s for r in s.required)
-
-
 class _Waiting:
     """A job left waiting, with what its annotation needs."""
 
@@ -134,22 +124,18 @@ class Planner:
         inflight: Iterable[tuple[str, int]] = (),
     ) -> None:
         self.now, self.policy = now, policy
+        self._asks = Asks(now)
         self.budgets = BudgetBook(dict(policy.budgets), [*holdings(fleet), *inflight])
-        largest = max((w.caps.gpu_count for w in fleet), default=0)
-        sizes = {w.caps.gpu_count for w in fleet}
         alike = _by_requirements(pending)
-        kinds: Counter[Kind] = Counter()
-        for job, n in alike:
-            kinds[kind_of(job)] += n
-        workload = Workload.of_counts(kinds, largest, sizes, gpus_by_model(w.caps for w in fleet))
         exact = any(names_worker(job.req) for job, _ in alike)
-        self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
+        self.view = FleetView(fleet, now, policy, _workload(fleet, alike), memo=memo, exact=exact)
         self.estimator = Estimator(self.view)
         self.preemptor = Preemptor(self.view)
         young = replace(policy, min_runtime_before_preemption_s=0.0)
         self._later = Preemptor(self.view, young)  # plans that wait for victims to age
         self._later_at: dict[tuple[str, str, str, str], float | None] = {}
-        self._inflight = _inflight(self.view.slots)
+        self._placeables: dict[tuple[str, str], bool] = {}
+        self._inflight = inflight_preemptions(self.view.slots)
         self._settles, self._lowest = settling(policy, alike, self._inflight, self.view.slots)
         self._open = (-1, True)  # (assignments made when last checked, a GPU free then)
         self._assignments: list[Assignment] = []
@@ -166,7 +152,7 @@ class Planner:
 
     def decide(self, job: PendingJob) -> None:
         """Assign, preempt for, reserve for or estimate `job` (see module doc)."""
-        ask = Ask.of(job, self.now, self.orders.get(job.task_id))
+        ask = self._asks.of(job, self.orders.get(job.task_id))
         over = self.budgets.blocks(job.queue, _gpus(job))
         if over is not None:  # waits without reserving or preempting (§10.3)
             waiting = _Waiting(ask, None, None)
@@ -179,7 +165,7 @@ class Planner:
         found = self.view.fit_now(ask)
         if found is not None:
             self._assign(ask, *found)
-        elif not any(g.members for g in self.view.eligible(job)):
+        elif not self._placeable(job):
             self._unplaceable(ask)
         elif job.task_id.startswith(PREFIX) or not (  # a reservation never preempts (§8.3)
             self._await_victims(ask) or self._preempt(ask)
@@ -190,7 +176,7 @@ class Planner:
         """Start every rank of `gang` now, or reserve (or estimate) when all can start
         (`scheduler.gang`); over its queue's budget it waits, holding nothing (§10.3)."""
         order = self.orders.get(gang.lead.task_id, gang.lead.order)
-        asks = [Ask.of(j, self.now, order) for j in gang.ranks]
+        asks = [self._asks.of(j, order) for j in gang.ranks]
         over = self.budgets.blocks(gang.lead.queue, gang.gpus, len(asks))
         found = place_now(self.view, asks) if over is None else over
         if not isinstance(found, str):
@@ -236,6 +222,14 @@ class Planner:
         self.view.assign(ask, slot)
         self.budgets.take(ask.job.queue, _gpus(ask.job))
         self._assignments.append(Assignment(ask.job.task_id, slot.name, score.total))
+
+    def _placeable(self, job: PendingJob) -> bool:
+        """Whether an available worker could ever run the job (kept by class and queue)."""
+        key = (job.class_key, job.queue)
+        hit = self._placeables.get(key)
+        if hit is None:
+            hit = self._placeables[key] = any(g.members for g in self.view.eligible(job))
+        return hit
 
     def _unplaceable(self, ask: Ask) -> None:
         """No available worker could ever run it: wait (a worker may come) or deny."""
@@ -377,6 +371,17 @@ def _by_requirements(pending: Sequence[PendingJob]) -> list[tuple[PendingJob, in
     return [(first[key], n) for key, n in counts.items()]
 
 
+def _workload(fleet: Sequence[WorkerState], alike: list[tuple[PendingJob, int]]) -> Workload:
+    """The pass's mix of kinds of job and of worker sizes, for placement scores."""
+    kinds: Counter[Kind] = Counter()
+    for job, n in alike:
+        kinds[kind_of(job)] += n
+    sizes = {w.caps.gpu_count for w in fleet}
+    return Workload.of_counts(
+        kinds, max(sizes, default=0), sizes, gpus_by_model(w.caps for w in fleet)
+    )
+
+
 def _gpus(job: PendingJob) -> int:
     return int(job.req.ext_ml_gpu_count or 0)
 
@@ -386,13 +391,3 @@ def _sooner(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
         return a if b is None else b
     return min(a, b)
-
-
-def _inflight(slots: Sequence[Slot]) -> dict[str, tuple[Slot, list[RunningJob]]]:
-    """Preemptions in flight: preempting task id -> (worker, victims)."""
-    out: dict[str, tuple[Slot, list[RunningJob]]] = {}
-    for slot in slots:
-        for victim in slot.victims.values():
-            if victim.preempted_for is not None:
-                out.setdefault(victim.preempted_for, (slot, []))[1].append(victim)
-    return out

@@ -20,9 +20,9 @@ from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
 from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
 from celery_ojs_ml.scheduler.candidates import (
+    BestBuckets,
     Candidate,
     Group,
-    Key,
     Rank,
     Ties,
     share_fits,
@@ -74,7 +74,8 @@ class FleetView:
         self._ask_ids: dict[Hashable, int] = {}
         self._fit_scores: dict[tuple[int, int, int], tuple[Shape, PlacementScore | None]] = {}
         self._lowest: dict[tuple[int, float | None], tuple[int, Vec]] = {}
-        self._best_buckets: dict[tuple[int, int], tuple[int, Key | None, list[Candidate]]] = {}
+        self._best_buckets = BestBuckets(self._fit_score)
+        self._shapes: dict[Shape, Shape] = {}
         self._picks: dict[int, tuple[dict[int, None], dict[float | None, Rank]]] = {}
         self.nofit = NoFit()
         """Jobs known not to fit now (`scheduler.nofit`)."""
@@ -170,7 +171,7 @@ class FleetView:
         ties: Ties[Candidate] = Ties()
         eligible = self.eligible(ask.job)
         for group in eligible:
-            top, items = self._fitting(kid, ask, group)
+            top, items = self._best_buckets.of(kid, ask, group)
             if top is not None:
                 ties.offer_all(top, items)
         for group in eligible:
@@ -189,13 +190,21 @@ class FleetView:
         self, ties: Ties[Candidate], end: float | None
     ) -> tuple[Slot, PlacementScore] | None:
         """Among candidates tied on (free process, score): the most `aligned` worker,
-        then one without a reservation, then the first in the fleet."""
+        then one without a reservation, then the first in the fleet. A bucket whose first
+        worker is idle or outlasts the job ranks by that worker (`_pick` takes it), with
+        nothing to look up."""
         best: tuple[Rank, PlacementScore] | None = None
+        until = math.inf if end is None else end
         for group, shape, members, score, held in ties.items:
-            if held is None:
-                rank = self._bucket_rank(group, shape, members, end)
-            else:
+            if held is not None:
                 rank = (aligned(held, end), not held.reserved, -held.idx)
+            else:
+                first = self.slots[next(iter(members))]
+                drain = first.drain_at()
+                if shape[2] or drain >= until:
+                    rank = (min(drain, until), True, -first.idx)
+                else:
+                    rank = self._bucket_rank(group, shape, members, end)
             if best is None or rank > best[0]:
                 best = (rank, score)
         return None if best is None else (self.slots[-best[0][2]], best[1])
@@ -221,20 +230,6 @@ class FleetView:
         share, link = gpu_share(req), wants_link(req)
         key = (job.class_key, ask.want, ask.dedicated, ask.soft, job.gpu_affinity, share, link)
         return self._ask_ids.setdefault(key, len(self._ask_ids))
-
-    def _fitting(self, kid: int, ask: Ask, group: Group) -> tuple[Key | None, list[Candidate]]:
-        """The job's best buckets in `group`, kept until the group gains or loses a bucket."""
-        key = (kid, group.idx)
-        hit = self._best_buckets.get(key)
-        if hit is not None and hit[0] == group.shapes:
-            return hit[1], hit[2]
-        ties: Ties[Candidate] = Ties()
-        for shape, members in group.buckets.items():
-            score = self._fit_score(kid, ask, group, shape)
-            if score is not None:
-                ties.offer((shape[0][4] >= 1, score.total), (group, shape, members, score, None))
-        self._best_buckets[key] = (group.shapes, ties.key, ties.items)
-        return ties.key, ties.items
 
     def _fit_score(self, kid: int, ask: Ask, group: Group, shape: Shape) -> PlacementScore | None:
         """The score of the job on `group`'s workers in `shape` if it fits there, else None
@@ -366,7 +361,7 @@ class FleetView:
             drains.remove(slot.idx)
         if not members:
             del group.buckets[shape]
-            group.shapes += 1
+            group.changes.append((shape, None))
             group.drains.pop(shape, None)
 
     def _rebucket(self, slot: Slot) -> None:
@@ -378,9 +373,10 @@ class FleetView:
         else:
             shape = slot.shape()
             members = group.buckets.get(shape)
-            if members is None:
+            if members is None:  # a shape seen before keeps its object, so its fit checks
+                shape = self._shapes.setdefault(shape, shape)  # stay kept (`_fit_score`)
                 members = group.buckets[shape] = {}
-                group.shapes += 1
+                group.changes.append((shape, members))
             members[slot.idx] = None
             self._picks.pop(id(members), None)
             drains = group.drains.get(shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import MatchResult, match
 from celery_ojs_ml.scheduler.model import PendingJob
+from celery_ojs_ml.spec.resources import MLRequirements
 
 MEMO_MAX = 50_000
 """Entries per table before it is cleared."""
@@ -43,3 +44,12 @@ class Memo:
                 self._ever.clear()
             hit = self._ever[key] = match(job.req, caps)
         return hit
+
+
+def names_worker(req: MLRequirements) -> bool:
+    """Whether a hard constraint names the `worker_id` label (then workers are not grouped:
+    capability keys count the worker id, `Memo.caps_key(exact=True)`)."""
+    if req.ext_ml_node_selector and "worker_id" in req.ext_ml_node_selector:
+        return True
+    specs = (req.ext_ml_affinity, req.ext_ml_anti_affinity)
+    return any(r.key == "worker_id" for s in specs if s for r in s.required)

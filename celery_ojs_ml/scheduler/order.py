@@ -13,8 +13,10 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 
+from celery_ojs_ml.matching import NO_HINTS
 from celery_ojs_ml.scheduler.model import PendingJob
 from celery_ojs_ml.scheduler.vectors import Vec, demand_of
+from celery_ojs_ml.spec.resources import MLRequirements
 
 OrderKey = tuple[int, int, float, str]
 _ORDER = attrgetter("order")
@@ -47,13 +49,43 @@ class Ask:
     @classmethod
     def of(cls, job: PendingJob, now: float, order: OrderKey | None = None) -> Ask:
         """Derive once what every step of the pass needs (`order`: a fair-share order)."""
-        req = job.req
-        preferred = req.ext_ml_affinity.preferred if req.ext_ml_affinity else ()
-        soft = (preferred, req.ext_ml_model_id, req.ext_ml_model_version, job.hints)
+        want, soft = _derived(job.req)
         end = None if job.time_limit_s is None else now + job.time_limit_s
-        return cls(job, order or order_key(job), demand_of(req), end, soft)
+        return cls(job, order or order_key(job), want, end, (*soft, job.hints))
 
     @property
     def dedicated(self) -> bool:
         """Whether it takes a whole worker (`gpu_affinity: dedicated`)."""
         return self.job.gpu_affinity == "dedicated"
+
+
+class Asks:
+    """`Ask.of` for one pass, deriving what depends on the requirements alone once per
+    requirements object: the admission parses identical declarations into one object, so
+    100,000 pending jobs share a handful and a pass need not count each one's footprint.
+    Jobs without hints of their own share one soft-score key too."""
+
+    __slots__ = ("_derived", "now")
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self._derived: dict[int, tuple[MLRequirements, Vec, Hashable, tuple[Hashable, ...]]] = {}
+
+    def of(self, job: PendingJob, order: OrderKey | None = None) -> Ask:
+        """`Ask.of(job, now, order)`."""
+        req = job.req
+        hit = self._derived.get(id(req))
+        if hit is None or hit[0] is not req:  # the entry holds req, so its id is not reused
+            want, soft = _derived(req)
+            hit = self._derived[id(req)] = (req, want, (*soft, NO_HINTS), soft)
+        soft_key = hit[2] if job.hints is NO_HINTS else (*hit[3], job.hints)
+        limit = job.time_limit_s
+        end = None if limit is None else self.now + limit
+        return Ask(job, order or job.order, hit[1], end, soft_key)
+
+
+def _derived(req: MLRequirements) -> tuple[Vec, tuple[Hashable, ...]]:
+    """The footprint, and what the soft score reads of the requirements (the job's
+    hints aside)."""
+    preferred = req.ext_ml_affinity.preferred if req.ext_ml_affinity else ()
+    return demand_of(req), (preferred, req.ext_ml_model_id, req.ext_ml_model_version)

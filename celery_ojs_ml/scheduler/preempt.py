@@ -99,6 +99,8 @@ class Preemptor:
         self._hopeless: set[tuple[object, ...]] = set()
         self._candidates: dict[tuple[int, str], list[RunningJob]] = {}
         self._orders: dict[tuple[object, ...], list[tuple[Cost, int]]] = {}
+        self._shared: dict[tuple[str, tuple[int, ...]], list[tuple[Cost, int]]] = {}
+        self._by_band: dict[str, list[tuple[Cost, int]]] = {}
         self._searches: dict[tuple[object, ...], _Search] = {}
 
     def plan(self, ask: Ask) -> Plan | None:
@@ -144,19 +146,37 @@ class Preemptor:
         return None
 
     def _order(self, key: tuple[object, ...], ask: Ask) -> list[tuple[Cost, int]]:
-        """Eligible workers with candidates, by the lower bound of their plan's cost."""
+        """Eligible workers with candidates, by the lower bound of their plan's cost.
+
+        Kinds of job with the same band and eligible groups share one list: the fleet's
+        workers ranked once per band (`_ranked`), kept to those groups' members."""
         hit = self._orders.get(key)
+        if hit is None:
+            band, groups = ask.job.band, self.view.eligible(ask.job)
+            shared = (band, tuple(g.idx for g in groups))
+            hit = self._shared.get(shared)
+            if hit is None:
+                members = {i for g in groups for i in g.members}
+                hit = [entry for entry in self._ranked(band) if entry[1] in members]
+                self._shared[shared] = hit
+            self._orders[key] = hit
+        return hit
+
+    def _ranked(self, band: str) -> list[tuple[Cost, int]]:
+        """Every available worker with candidates for `band`, by its plan's lower bound
+        (the index breaks ties, so a subset keeps its order)."""
+        hit = self._by_band.get(band)
         if hit is None:
             hit = []
             now = self.view.now
-            for group in self.view.eligible(ask.job):
+            for group in self.view.groups:
                 for idx in group.members:
-                    found = self._candidates_on(self.view.slots[idx], ask.job.band)
+                    found = self._candidates_on(self.view.slots[idx], band)
                     if found:
                         low = min(rank(v.band) for v in found)
                         hit.append(((low, min(lost_work_s(v, now) for v in found), 0, idx), idx))
             hit.sort()
-            self._orders[key] = hit
+            self._by_band[band] = hit
         return hit
 
     def _candidates_on(self, slot: Slot, band: str) -> list[RunningJob]:
@@ -210,3 +230,13 @@ class _Search:
 
 def _freed(free: Vec, victims: Sequence[RunningJob]) -> Vec:
     return plus(free, sum_of(running_vec(v) for v in victims))
+
+
+def inflight_preemptions(slots: Sequence[Slot]) -> dict[str, tuple[Slot, list[RunningJob]]]:
+    """Preemptions in flight: preempting task id -> (worker, victims)."""
+    out: dict[str, tuple[Slot, list[RunningJob]]] = {}
+    for slot in slots:
+        for victim in slot.victims.values():
+            if victim.preempted_for is not None:
+                out.setdefault(victim.preempted_for, (slot, []))[1].append(victim)
+    return out
