@@ -15,17 +15,22 @@ from collections.abc import Callable
 from itertools import count
 from typing import Generic, TypeVar
 
-from celery_ojs_ml.allocator.sharing import pick_share, share_milli
+from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.scheduler.drains import Drains
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore
 from celery_ojs_ml.scheduler.slot import Shape, Slot
+from celery_ojs_ml.scheduler.vectors import Vec, finite, plus
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
 
 T = TypeVar("T")
 Key = tuple[bool, float]
 """(a pool process is free, placement score total): higher is better."""
+RankKey = tuple[bool, float, int, bool, float]
+"""What `Ties` ranks by, higher first: the best `Key` of the place's group, minus its delay
+steps (`scheduler.timefit`; 0 where best fit in time does not apply), its own `Key`."""
+K = TypeVar("K", Key, RankKey)
 
 
 class Group:
@@ -69,27 +74,27 @@ Candidate = tuple[Group, Shape, dict[int, None], PlacementScore, Slot | None]
 """A place the job may start now: a shape bucket (its members), or a reserved worker."""
 
 
-class Ties(Generic[T]):
+class Ties(Generic[K, T]):
     """The candidates that share the highest key offered so far."""
 
     __slots__ = ("items", "key")
 
     def __init__(self) -> None:
-        self.key: Key | None = None
+        self.key: K | None = None
         self.items: list[T] = []
 
-    def below(self, key: Key) -> bool:
+    def below(self, key: K) -> bool:
         """Whether a candidate with `key` can no longer be among the best."""
         return self.key is not None and key < self.key
 
-    def offer(self, key: Key, item: T) -> None:
+    def offer(self, key: K, item: T) -> None:
         """Keep `item` when its key is the highest so far or ties it."""
         if self.key is None or key > self.key:
             self.key, self.items = key, [item]
         elif key == self.key:
             self.items.append(item)
 
-    def offer_all(self, key: Key, items: list[T]) -> None:
+    def offer_all(self, key: K, items: list[T]) -> None:
         """`offer` each of `items`, which share `key`."""
         if self.key is None or key > self.key:
             self.key, self.items = key, list(items)
@@ -146,7 +151,7 @@ class BestBuckets:
     def _catch_up(self, kept: _Ranking, kid: int, ask: Ask, group: Group) -> None:
         buckets = group.buckets
         alive = [c for c in kept.items if buckets.get(c[1]) is c[2]]
-        ties: Ties[Candidate] = Ties()
+        ties: Ties[Key, Candidate] = Ties()
         if alive:
             ties.key, ties.items = kept.top, alive
         for shape, members in group.changes[kept.seen :]:
@@ -218,3 +223,18 @@ def wants_link(req: MLRequirements) -> bool:
         and (req.ext_ml_gpu_count or 0) > 1
         and gpu_share(req) is None
     )
+
+
+def taken_on(ask: Ask, slot: Slot, caps: Capabilities) -> Vec:
+    """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`.
+
+    A share that would open an untouched device takes that GPU from whole jobs.
+    """
+    if ask.dedicated:
+        return finite(slot.free)
+    milli = share_milli(ask.job.req, caps)
+    if milli is not None and slot.gpu_free is not None:
+        device = pick_share(slot.gpu_free, milli)
+        if device is not None and slot.gpu_free[device] >= FULL:
+            return plus(ask.want, (1.0, 0.0, 0.0, 0.0, 0.0))
+    return ask.want

@@ -16,16 +16,19 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
-from celery_ojs_ml.allocator.sharing import FULL, pick_share, share_milli
+from celery_ojs_ml.allocator.sharing import FULL, share_milli
 from celery_ojs_ml.matching import FreeCapacity, MatchResult, Verdict, match
 from celery_ojs_ml.matching import score as soft_score
 from celery_ojs_ml.scheduler.candidates import (
     BestBuckets,
     Candidate,
     Group,
+    Key,
     Rank,
+    RankKey,
     Ties,
     share_fits,
+    taken_on,
     wants_link,
 )
 from celery_ojs_ml.scheduler.drains import Drains
@@ -35,6 +38,7 @@ from celery_ojs_ml.scheduler.nofit import NoFit
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, placement
 from celery_ojs_ml.scheduler.slot import Hold, Shape, Slot
+from celery_ojs_ml.scheduler.timefit import aligned, delay_steps, large, offer_in_time, plain
 from celery_ojs_ml.scheduler.vectors import (
     Vec,
     clip,
@@ -160,25 +164,29 @@ class FleetView:
         """The best worker where the job may start now, by placement score; None if none.
 
         A worker with a free pool process comes first: on one whose processes are all
-        busy the job would wait in the pool's queue, holding its devices. Ties go to
-        the worker whose jobs end latest, up to the job's own end (`aligned`), then
-        to a worker without a reservation, then to the first in the fleet. A bucket's
-        workers share processes and score: only what reaches the best pair goes on (`Ties`).
+        busy the job would wait in the pool's queue, holding its devices. In a group of
+        large workers a timed job goes where it delays the drain least (`timefit`). Ties go
+        to the worker whose jobs end latest, up to the job's own end (`aligned`), then to
+        one without a reservation, then to the first in the fleet (`Ties`).
         """
         if self.nofit.known(ask):
             return None
         kid = self._ask_id(ask)
-        ties: Ties[Candidate] = Ties()
+        ties: Ties[RankKey, Candidate] = Ties()
         eligible = self.eligible(ask.job)
+        largest = self.workload.largest
+        timed = [g for g in eligible if ask.end is not None and large(g.caps.gpu_count, largest)]
+        for group in timed:
+            offer_in_time(ties, self._places(kid, ask, group))
         for group in eligible:
             top, items = self._best_buckets.of(kid, ask, group)
-            if top is not None:
-                ties.offer_all(top, items)
+            if top is not None and group not in timed:
+                ties.offer_all(plain(top), items)
         for group in eligible:
-            for i in group.reserved:
+            for i in () if group in timed else group.reserved:
                 slot = self.slots[i]
                 score = None if slot.closed else self._fit_score(kid, ask, group, slot.shape())
-                key = (slot.free[4] >= 1, 0.0 if score is None else score.total)
+                key = plain((slot.free[4] >= 1, 0.0 if score is None else score.total))
                 if score is not None and not ties.below(key) and self.may_backfill(ask, slot):
                     ties.offer(key, (group, slot.shape(), {}, score, slot))
         found = self._best_tied(ties, ask.end)
@@ -187,7 +195,7 @@ class FleetView:
         return found
 
     def _best_tied(
-        self, ties: Ties[Candidate], end: float | None
+        self, ties: Ties[RankKey, Candidate], end: float | None
     ) -> tuple[Slot, PlacementScore] | None:
         """Among candidates tied on (free process, score): the most `aligned` worker,
         then one without a reservation, then the first in the fleet. A bucket whose first
@@ -208,6 +216,24 @@ class FleetView:
             if best is None or rank > best[0]:
                 best = (rank, score)
         return None if best is None else (self.slots[-best[0][2]], best[1])
+
+    def _places(self, kid: int, ask: Ask, group: Group) -> list[tuple[Key, int, Candidate]]:
+        """Where in `group` a timed job may start now, each with its `delay_steps` (`_pick`)."""
+        end = math.inf if ask.end is None else ask.end
+        out: list[tuple[Key, int, Candidate]] = []
+        for shape, members in group.buckets.items():
+            if (score := self._fit_score(kid, ask, group, shape)) is not None:
+                late = delay_steps(self._pick(group, shape, members, end).drain_at(), self.now, end)
+                out.append(
+                    ((shape[0][4] >= 1, score.total), late, (group, shape, members, score, None))
+                )
+        for i in group.reserved:
+            slot = self.slots[i]
+            score = None if slot.closed else self._fit_score(kid, ask, group, slot.shape())
+            if score is not None and self.may_backfill(ask, slot):
+                late, place = delay_steps(slot.drain_at(), self.now, end), (group, slot.shape())
+                out.append(((slot.free[4] >= 1, score.total), late, (*place, {}, score, slot)))
+        return out
 
     def _bucket_rank(
         self, group: Group, shape: Shape, members: dict[int, None], end: float | None
@@ -280,18 +306,8 @@ class FleetView:
         return low
 
     def taken(self, ask: Ask, slot: Slot) -> Vec:
-        """What the job takes on `slot` now: its footprint, or all that is free for `dedicated`.
-
-        A share that would open an untouched device takes that GPU from whole jobs.
-        """
-        if ask.dedicated:
-            return finite(slot.free)
-        milli = share_milli(ask.job.req, self.groups[slot.group].caps)
-        if milli is not None and slot.gpu_free is not None:
-            device = pick_share(slot.gpu_free, milli)
-            if device is not None and slot.gpu_free[device] >= FULL:
-                return plus(ask.want, (1.0, 0.0, 0.0, 0.0, 0.0))
-        return ask.want
+        """What the job takes on `slot` now (`candidates.taken_on`)."""
+        return taken_on(ask, slot, self.groups[slot.group].caps)
 
     def need(self, ask: Ask, slot: Slot) -> Vec:
         """What the job needs of `slot` in all: its footprint, or the whole worker."""
@@ -382,14 +398,3 @@ class FleetView:
             drains = group.drains.get(shape)
             if drains is not None:
                 drains.add(slot.idx, slot.drain_at())
-
-
-def aligned(slot: Slot, end: float | None) -> float:
-    """How much of a job ending at `end` (None: never known) overlaps the time its worker
-    stays busy anyway: the earlier of the two ends (higher is better).
-
-    Among equal placements a job goes where the jobs already running outlast
-    it, so a long job joins other long ones and the workers that drain soon
-    stay free to drain for a large job (best fit in time).
-    """
-    return min(slot.drain_at(), math.inf if end is None else end)

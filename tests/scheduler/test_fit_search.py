@@ -12,13 +12,14 @@ import random
 import pytest
 
 from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
-from celery_ojs_ml.scheduler.candidates import Ties
+from celery_ojs_ml.scheduler.candidates import Key, RankKey, Ties
 from celery_ojs_ml.scheduler.drains import Drains
 from celery_ojs_ml.scheduler.fleet import FleetView, aligned
 from celery_ojs_ml.scheduler.model import Policy
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, Slot
+from celery_ojs_ml.scheduler.timefit import delay_steps, large
 from celery_ojs_ml.scheduler.vectors import covers
 from tests.scheduler.helpers import NOW, decide, job, running, worker
 
@@ -61,7 +62,7 @@ def _every_candidate(view: FleetView, ask: Ask) -> tuple[Slot, PlacementScore] |
     """The search ranking every bucket's pick and every reserved worker afresh."""
     if view.nofit.known(ask):
         return None
-    best: tuple[bool, float, float, bool, int] | None = None
+    best: tuple[object, ...] | None = None
     found: tuple[Slot, PlacementScore] | None = None
     for group in view.eligible(ask.job):
         places = [
@@ -77,15 +78,17 @@ def _every_candidate(view: FleetView, ask: Ask) -> tuple[Slot, PlacementScore] |
                 and _backfills(view, ask, slot)
             ):
                 places.append(slot)
+        # best fit in time: a timed job on large workers (`scheduler.timefit`)
+        timed = ask.end is not None and large(group.caps.gpu_count, view.workload.largest)
+        ranked = []
         for slot in places:
             score = view.score(ask, group, slot.shape())
-            rank = (
-                slot.free[4] >= 1,
-                score.total,
-                aligned(slot, ask.end),
-                not slot.reserved,
-                -slot.idx,
-            )
+            late = delay_steps(slot.drain_at(), view.now, ask.end) if ask.end and timed else 0
+            ranked.append(((slot.free[4] >= 1, score.total), late, slot, score))
+        top = max((own for own, _, _, _ in ranked), default=None)
+        for own, late, slot, score in ranked:
+            group_key = top if timed and top is not None else own
+            rank = (*group_key, -late, *own, aligned(slot, ask.end), not slot.reserved, -slot.idx)
             if best is None or rank > best:
                 best, found = rank, (slot, score)
     if found is None:
@@ -135,7 +138,7 @@ def test_the_random_passes_rank_ties_on_score_and_backfill_reserved_workers(
     best_tied, may_backfill = FleetView._best_tied, FleetView.may_backfill
 
     def counting_ties(
-        self: FleetView, ties: Ties[object], end: float | None
+        self: FleetView, ties: Ties[RankKey, object], end: float | None
     ) -> tuple[Slot, PlacementScore] | None:
         tied[0] += len(ties.items) > 1
         return best_tied(self, ties, end)  # type: ignore[arg-type]
@@ -153,7 +156,7 @@ def test_the_random_passes_rank_ties_on_score_and_backfill_reserved_workers(
 
 
 def test_ties_keep_every_candidate_of_the_highest_key_only() -> None:
-    ties: Ties[str] = Ties()
+    ties: Ties[Key, str] = Ties()
     ties.offer((False, 9.0), "a")
     ties.offer((True, 1.0), "b")
     ties.offer((True, 1.0), "c")

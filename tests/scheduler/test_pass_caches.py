@@ -35,7 +35,7 @@ def _score(kid: int, ask: Ask, group: Group, shape: Shape) -> PlacementScore | N
 
 
 def _afresh(kid: int, group: Group) -> tuple[Key | None, set[int]]:
-    ties: Ties[Candidate] = Ties()
+    ties: Ties[Key, Candidate] = Ties()
     for shape, members in group.buckets.items():
         score = _score(kid, None, group, shape)  # type: ignore[arg-type]
         if score is not None:
