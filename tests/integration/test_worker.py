@@ -163,9 +163,10 @@ def _longest_wait_while_free(
     sent: float,
     step: float = 0.01,
 ) -> float:
-    """The longest stretch between publish and start in which an eligible worker had room."""
+    """The longest stretch between publish and start in which an eligible worker had room,
+    sampled every `step` s, in whole steps (200 float steps add up to 2.0000000000000013)."""
     _, eligible, need = kind
-    longest = stretch = 0.0
+    longest = stretch = 0
     t = sent
     while t < job["start"]:
         free = any(
@@ -178,10 +179,10 @@ def _longest_wait_while_free(
             >= need
             for worker in eligible
         )
-        stretch = stretch + step if free else 0.0
+        stretch = stretch + 1 if free else 0
         longest = max(longest, stretch)
         t += step
-    return longest
+    return longest * step
 
 
 def test_no_pool_child_runs_gpu_tasks_with_two_different_device_sets(
