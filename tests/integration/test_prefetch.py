@@ -302,7 +302,9 @@ def test_with_the_defaults_the_next_job_waits_at_the_gate_and_explain_shows_it_w
     assert seen["state"] == "pending" and seen["worker"] == "a@test", seen
     assert "delivered ahead to a@test" in seen["reason_pending"], seen
     assert abs(seen["t_estimate"] - runs[nxt.id]["start"]) <= 2.0, (seen, runs[nxt.id])
-    assert runs[nxt.id]["start"] - runs[blocker.id]["end"] < 0.5, "it waited for a pass"
+    # the gate starts it as the blocker ends; the bound leaves room for a loaded machine
+    # (0.5 s was once exceeded with the whole suite running on two cores)
+    assert runs[nxt.id]["start"] - runs[blocker.id]["end"] < 1.5, "it waited for the heartbeat"
     app.close()
 
 
