@@ -71,3 +71,14 @@ def decide(
 ) -> Decision:
     """One scheduling pass."""
     return schedule(pending, fleet, now, Policy(**policy))
+
+
+def decision_facts(decision: Decision) -> tuple[object, ...]:
+    """Everything a pass decided, for comparing two passes over the same inputs."""
+    return (
+        [(a.task_id, a.worker, a.score) for a in decision.assignments],
+        sorted((r.task_id, r.worker, r.start) for r in decision.reservations),
+        sorted((p.task_id, p.worker, p.victims) for p in decision.preemptions),
+        sorted((t, a.reason_pending, a.t_estimate) for t, a in decision.annotations.items()),
+        sorted((r.task_id, r.worker, r.start) for r in decision.planned),
+    )

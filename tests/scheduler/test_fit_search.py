@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
+from celery_ojs_ml.scheduler import PendingJob, WorkerState
 from celery_ojs_ml.scheduler.candidates import Key, RankKey, Ties
 from celery_ojs_ml.scheduler.drains import Drains
 from celery_ojs_ml.scheduler.fleet import FleetView, aligned
@@ -21,7 +21,7 @@ from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, Slot
 from celery_ojs_ml.scheduler.timefit import delay_steps, large
 from celery_ojs_ml.scheduler.vectors import covers
-from tests.scheduler.helpers import NOW, decide, job, running, worker
+from tests.scheduler.helpers import NOW, decide, decision_facts, job, running, worker
 
 PROFILES = ("nvidia-a100x8", "nvidia-a100x2", "nvidia-l4x1", "nvidia-h100x8", "cpu")
 KINDS = (
@@ -106,16 +106,6 @@ def _backfills(view: FleetView, ask: Ask, slot: Slot) -> bool:
     return covers(slot.timeline().lowest_between(view.now, ask.end), view.taken(ask, slot))
 
 
-def _facts(decision: Decision) -> tuple[object, ...]:
-    return (
-        [(a.task_id, a.worker, a.score) for a in decision.assignments],
-        sorted((r.task_id, r.worker, r.start) for r in decision.reservations),
-        sorted((p.task_id, p.worker, p.victims) for p in decision.preemptions),
-        sorted((t, a.reason_pending, a.t_estimate) for t, a in decision.annotations.items()),
-        sorted((r.task_id, r.worker, r.start) for r in decision.planned),
-    )
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_the_kept_search_decides_exactly_as_ranking_every_candidate(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -125,7 +115,7 @@ def test_the_kept_search_decides_exactly_as_ranking_every_candidate(
     monkeypatch.setattr(FleetView, "fit_now", _every_candidate)
     monkeypatch.setattr(FleetView, "may_backfill", _backfills)
     afresh = decide(pending, fleet, reservation_depth=3)
-    assert _facts(kept) == _facts(afresh)
+    assert decision_facts(kept) == decision_facts(afresh)
     assert kept.assignments and kept.reservations and kept.annotations  # it did decide
 
 

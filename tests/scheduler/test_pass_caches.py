@@ -14,14 +14,14 @@ import pytest
 from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import Hints
-from celery_ojs_ml.scheduler import Decision, PendingJob, WorkerState
+from celery_ojs_ml.scheduler import PendingJob, WorkerState
 from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.candidates import BestBuckets, Candidate, Group, Key, Ties
 from celery_ojs_ml.scheduler.order import Ask, Asks
 from celery_ojs_ml.scheduler.preempt import Cost, Preemptor, lost_work_s
 from celery_ojs_ml.scheduler.score import PlacementScore
 from celery_ojs_ml.scheduler.slot import Shape
-from tests.scheduler.helpers import NOW, decide, job, running, worker
+from tests.scheduler.helpers import NOW, decide, decision_facts, job, running, worker
 
 
 def _shape(n: int) -> Shape:
@@ -114,15 +114,6 @@ def _own_order(self: Preemptor, key: tuple[object, ...], ask: Ask) -> list[tuple
     return sorted(out)
 
 
-def _facts(decision: Decision) -> tuple[object, ...]:
-    return (
-        [(a.task_id, a.worker, a.score) for a in decision.assignments],
-        sorted((r.task_id, r.worker, r.start) for r in decision.reservations),
-        sorted((p.task_id, p.worker, p.victims) for p in decision.preemptions),
-        sorted((t, a.reason_pending, a.t_estimate) for t, a in decision.annotations.items()),
-    )
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_shared_orders_and_messages_decide_as_computed_per_job(
     seed: int, monkeypatch: pytest.MonkeyPatch
@@ -132,7 +123,7 @@ def test_shared_orders_and_messages_decide_as_computed_per_job(
     monkeypatch.setattr(Preemptor, "_order", _own_order)
     monkeypatch.setattr(Annotator, "reason", Annotator._reason)
     afresh = decide(pending, fleet, reservation_depth=2)
-    assert _facts(kept) == _facts(afresh)
+    assert decision_facts(kept) == decision_facts(afresh)
     assert kept.preemptions and kept.reservations and kept.annotations  # it did decide
 
 
