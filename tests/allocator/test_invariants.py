@@ -41,6 +41,21 @@ def requests(draw: st.DrawFn) -> MLRequirements:
     return job(**attrs)
 
 
+# Named functions, not lambdas: Hypothesis describes a precondition lambda by parsing its
+# source file with `ast`, and CPython 3.11.7's AST constructor can raise a spurious
+# SystemError ("recursion depth mismatch", python/cpython#106905) that fails the run.
+def _seen_a_request(m: AllocatorMachine) -> bool:
+    return bool(m.seen)
+
+
+def _holds_an_allocation(m: AllocatorMachine) -> bool:
+    return bool(m.a.allocations())
+
+
+def _holds_a_pending(m: AllocatorMachine) -> bool:
+    return bool(m.a.held())
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -69,7 +84,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             assert isinstance(result, Pending | Denied)
 
-    @precondition(lambda self: self.seen)
+    @precondition(_seen_a_request)
     @rule(data=st.data(), priority=st.integers(0, 3))
     def submit_the_same_request_again(self, data: st.DataObject, priority: int) -> None:
         """The live gate passes one request object per kind of job (the admission's
@@ -80,20 +95,20 @@ class AllocatorMachine(RuleBasedStateMachine):
         if isinstance(result, Pending):
             self.a.hold(result)
 
-    @precondition(lambda self: self.a.allocations())
+    @precondition(_holds_an_allocation)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         alloc = data.draw(st.sampled_from(self.a.allocations()))
         assert self.a.free(alloc.key) == alloc
         assert self.a.free(alloc.key) is None
 
-    @precondition(lambda self: self.a.held())
+    @precondition(_holds_a_pending)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
         pending = data.draw(st.sampled_from(self.a.held()))
         assert self.a.cancel(pending.key) is pending
 
-    @precondition(lambda self: self.a.held())
+    @precondition(_holds_a_pending)
     @rule(data=st.data(), priority=st.integers(0, 3))
     def prioritise(self, data: st.DataObject, priority: int) -> None:
         pending = data.draw(st.sampled_from(self.a.held()))

@@ -39,6 +39,35 @@ KINDS: tuple[dict[str, Any], ...] = (
     {"gpu_count": 1, "cpu_cores": 16},
 )
 EPS = 1e-6
+
+
+# Named functions, not lambdas: Hypothesis describes a lambda by parsing its source file
+# with `ast`, and CPython 3.11.7's AST constructor can raise a spurious SystemError
+# ("recursion depth mismatch", python/cpython#106905) that fails the run.
+def _flatten_kind(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d.pop("kind"), **d}
+
+
+def _room_to_join(m: FleetMachine) -> bool:
+    return len(m.sim.workers) < 5
+
+
+def _two_or_more_workers(m: FleetMachine) -> bool:
+    return len(m.sim.workers) > 1
+
+
+def _room_to_arrive(m: FleetMachine) -> bool:
+    return len(m.sim.pending) < 25
+
+
+def _room_to_reserve(m: FleetMachine) -> bool:
+    return len(m.sim.pools) < 3
+
+
+def _a_live_pool(m: FleetMachine) -> bool:
+    return any(not p.ended for p in m.sim.pools.values())
+
+
 JOBS = st.fixed_dictionaries(
     {
         "kind": st.sampled_from(KINDS),
@@ -49,7 +78,7 @@ JOBS = st.fixed_dictionaries(
         "queue": st.sampled_from(["celery"] * 7 + ["train"]),
         "gpu_affinity": st.sampled_from(["pack"] * 6 + ["spread", "dedicated"]),
     }
-).map(lambda d: {**d.pop("kind"), **d})
+).map(_flatten_kind)
 
 
 class FleetMachine(RuleBasedStateMachine):
@@ -75,20 +104,20 @@ class FleetMachine(RuleBasedStateMachine):
         for p in profiles:
             self.join(p)
 
-    @precondition(lambda self: len(self.sim.workers) < 5)
+    @precondition(_room_to_join)
     @rule(profile=st.sampled_from(PROFILES))
     def join(self, profile: str) -> None:
         self.n += 1
         queues = frozenset({"celery", "train"}) if self.n % 3 == 0 else frozenset({"celery"})
         self.sim.workers[f"w{self.n}"] = SimWorker(caps(profile), queues=queues)
 
-    @precondition(lambda self: len(self.sim.workers) > 1)
+    @precondition(_two_or_more_workers)
     @rule(data=st.data())
     def lose(self, data: st.DataObject) -> None:
         self.sim.lose(data.draw(st.sampled_from(sorted(self.sim.workers))))
         self.first = None  # the reserved capacity may be gone
 
-    @precondition(lambda self: len(self.sim.pending) < 25)
+    @precondition(_room_to_arrive)
     @rule(jobs=st.lists(JOBS, min_size=1, max_size=4))
     def arrive(self, jobs: list[dict[str, Any]]) -> None:
         for spec in jobs:
@@ -96,21 +125,21 @@ class FleetMachine(RuleBasedStateMachine):
             duration = (spec["limit"] or 300.0) * spec.pop("share")
             self.sim.submit(job(f"j{self.n}", **spec), duration)
 
-    @precondition(lambda self: len(self.sim.pools) < 3)
+    @precondition(_room_to_reserve)
     @rule(gpus=st.sampled_from([1, 2, 4]))
     def reserve(self, gpus: int) -> None:
         self.n += 1
         rid = f"r{self.n}"
         self.sim.pools[rid] = ReservationPool(rid, req(gpu_count=gpus), self.sim.now)
 
-    @precondition(lambda self: any(not p.ended for p in self.sim.pools.values()))
+    @precondition(_a_live_pool)
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         live = sorted(r for r, p in self.sim.pools.items() if not p.ended)
         rid = data.draw(st.sampled_from(live))
         self.sim.pools[rid] = replace(self.sim.pools[rid], ended=True)
 
-    @precondition(lambda self: any(not p.ended for p in self.sim.pools.values()))
+    @precondition(_a_live_pool)
     @rule(data=st.data(), gpus=st.sampled_from([1, 2]))
     def arrive_inside(self, data: st.DataObject, gpus: int) -> None:
         live = sorted(r for r, p in self.sim.pools.items() if not p.ended)
