@@ -18,6 +18,21 @@ from celery_ojs_ml.spec.documents import load_text
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
+_CONTROLS = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+"""Control characters and line separators -> their Python escapes (`\\n`, `\\x1b`)."""
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters escaped: a violation quotes document keys and
+    values verbatim, and a key holding a line break or an escape sequence must not split
+    its line or reach the terminal raw."""
+    return text.translate(_CONTROLS)
+
+
+def complain(text: str) -> None:
+    """Print one line to stderr, control characters escaped (`one_line`)."""
+    click.echo(one_line(text), err=True)
+
 
 class Unreadable(click.ClickException):
     """A file that cannot be read or parsed; exits 2 like a usage error."""

@@ -19,7 +19,7 @@ import click
 from celery_ojs_ml.cli import fleet as fleet_view
 from celery_ojs_ml.cli import offline, reserve, sched
 from celery_ojs_ml.cli.app import app_option, json_option, load_plugin, timeout_option
-from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, read_document
+from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, Unreadable, complain, read_document
 from celery_ojs_ml.cli.progress import progress_of
 from celery_ojs_ml.cli.queued import find_granted, find_queued, live_fleet
 from celery_ojs_ml.errors import ConfigError, SpecError, UnsatisfiableError
@@ -145,7 +145,7 @@ def _explain_file(plugin: OJSML, path: str, as_json: bool) -> None:
         req = requirements_doc(read_document(path), plugin.parse_options).requirements
     except SpecError as exc:
         for v in exc.violations:
-            click.echo(f"{path}: {v}", err=True)
+            complain(f"{path}: {v}")
         sys.exit(EXIT_INVALID)
     try:
         workers, free = live_fleet(plugin)
@@ -214,9 +214,9 @@ def _publish(plugin: OJSML, doc: Any, path: str) -> Any:
         return plugin.submit(doc)
     except SpecError as exc:
         for v in exc.violations:
-            click.echo(f"{path}: {v}", err=True)
+            complain(f"{path}: {v}")
     except (ConfigError, UnsatisfiableError) as exc:
-        click.echo(f"{path}: {exc}", err=True)
+        complain(f"{path}: {exc}")
     except Exception as exc:  # broker down: exit 1 with the reason, not a traceback
         raise _fail("cannot publish", exc) from None
     sys.exit(EXIT_INVALID)

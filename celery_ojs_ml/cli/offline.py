@@ -15,7 +15,14 @@ from typing import Any
 import click
 
 from celery_ojs_ml.capabilities import capabilities_to_dict, probe
-from celery_ojs_ml.cli.io import EXIT_INVALID, EXIT_OK, read_document, read_workers, worker_from
+from celery_ojs_ml.cli.io import (
+    EXIT_INVALID,
+    EXIT_OK,
+    complain,
+    read_document,
+    read_workers,
+    worker_from,
+)
 from celery_ojs_ml.errors import ConfigError, SpecError
 from celery_ojs_ml.matching import match as match_one
 from celery_ojs_ml.matching import pending_message, rank
@@ -57,10 +64,10 @@ def validate(
         except SpecError as exc:
             failed = True
             for v in exc.violations:
-                click.echo(f"{path}: {v}", err=True)
+                complain(f"{path}: {v}")
             continue
         for warning in getattr(parsed, "warnings", []):
-            click.echo(f"{path}: warning: {warning}", err=True)
+            complain(f"{path}: warning: {warning}")
         click.echo(_dump(out) if as_json else f"{path}: valid")
     sys.exit(EXIT_INVALID if failed else EXIT_OK)
 
@@ -86,7 +93,7 @@ def _job_requirements(path: str) -> MLRequirements:
         return requirements_doc(read_document(path)).requirements
     except SpecError as exc:
         for v in exc.violations:
-            click.echo(f"{path}: {v}", err=True)
+            complain(f"{path}: {v}")
         sys.exit(EXIT_INVALID)
 
 

@@ -14,9 +14,14 @@ from typing import Any
 import yaml
 
 from celery_ojs_ml.errors import SpecError, Violation
-from celery_ojs_ml.spec.envelope import DEFAULT_OPTIONS, Job, ParseOptions, parse_job
+from celery_ojs_ml.spec.envelope import (
+    DEFAULT_OPTIONS,
+    Job,
+    ParseOptions,
+    parse_job,
+    requirements_of,
+)
 from celery_ojs_ml.spec.flux import FluxJob, looks_like_jobspec, parse_jobspec
-from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.workflow import Workflow, is_workflow, parse_workflow
 
 Document = Job | Workflow | FluxJob
@@ -83,8 +88,8 @@ def canonical(parsed: Document, options: ParseOptions = DEFAULT_OPTIONS) -> Any:
     """Canonical requirements: one object, or a list per workflow step / Flux task."""
     if isinstance(parsed, Workflow):
         return [step.canonical() for step in parsed.steps]
-    if isinstance(parsed, FluxJob):
-        slot = normalize(parsed.slot_requirements(), options.bounds).flat()
+    if isinstance(parsed, FluxJob):  # the queue's policy applies as at submit (§10.1/§10.2)
+        slot = requirements_of(parsed.slot_requirements(), parsed.queue, options)[0].flat()
         return [dict(slot) for _ in range(parsed.task_count)]
     return parsed.canonical()
 
@@ -95,7 +100,7 @@ def requirements_doc(doc: Any, options: ParseOptions = DEFAULT_OPTIONS) -> Job:
         flux = parse_jobspec(doc)
         return Job(
             type=None,
-            requirements=normalize(flux.slot_requirements(), options.bounds).requirements,
+            requirements=requirements_of(flux.slot_requirements(), flux.queue, options)[0],
             queue=flux.queue,
         )
     if is_workflow(doc):

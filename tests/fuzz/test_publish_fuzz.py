@@ -38,7 +38,6 @@ from hypothesis import strategies as st
 from celery_ojs_ml.errors import SpecError
 from celery_ojs_ml.plugin import OJSML
 from celery_ojs_ml.spec.documents import canonical, parse_document
-from celery_ojs_ml.spec.envelope import requirements_of
 from celery_ojs_ml.spec.flux import FluxJob
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.spec.workflow import Workflow
@@ -197,15 +196,13 @@ def test_apply_async_with_any_ml_option_and_headers_publishes_once_or_raises_a_s
 def _expected_messages(doc: Any, app: Celery) -> int | None:
     """The messages `submit` must publish (None: it must reject the document).
 
-    The oracle is the offline validator the CLI uses, plus the queue policy of a
-    Flux jobspec's queue, which `canonical` leaves out (see the xfail test below).
+    The oracle is the offline validator the CLI uses (`validate -A app`): it applies a
+    Flux jobspec's queue policy too (§10.1/§10.2).
     """
     options = app.ojs_ml.parse_options
     try:
         parsed = parse_document(doc, options)
         canonical(parsed, options)
-        if isinstance(parsed, FluxJob):  # §10.1/§10.2 apply to a jobspec's queue as well
-            requirements_of(parsed.slot_requirements(), parsed.queue, options)
     except SpecError:
         return None
     if isinstance(parsed, FluxJob):
@@ -301,7 +298,7 @@ def test_every_unmutated_spec_example_is_published(broker: Broker) -> None:
         assert sent, name
 
 
-# -- what the fuzzing found: fixed in spec/ (regressions) and open in integration/ (xfail) ------
+# -- what the fuzzing found, fixed (regressions) ------------------------------------------------
 
 
 @pytest.mark.parametrize("bad_id", [5, True, {"a": 1}, [1], ""])
@@ -379,16 +376,11 @@ CPU_JOBSPEC_ON_GPU_QUEUE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="spec.documents.canonical normalises a Flux slot without the queue policy, so "
-    "`validate -A app` accepts what submit rejects (policy default ext_ml_gpu_count 1 "
-    "against the slot's ext_ml_accelerator cpu)",
-)
 def test_the_offline_validator_and_submit_agree_on_a_flux_jobspec_for_a_policy_queue(
     broker: Broker,
 ) -> None:
+    """Both apply the queue's policy (§10.1/§10.2) to the slot: its default
+    ext_ml_gpu_count 1 against the slot's ext_ml_accelerator cpu is refused by both."""
     options = broker.app.ojs_ml.parse_options
     try:
         canonical(parse_document(CPU_JOBSPEC_ON_GPU_QUEUE, options), options)
@@ -397,3 +389,4 @@ def test_the_offline_validator_and_submit_agree_on_a_flux_jobspec_for_a_policy_q
         validator_accepts = False
     error, _ = broker.outcome(lambda: broker.app.ojs_ml.submit(CPU_JOBSPEC_ON_GPU_QUEUE))
     assert validator_accepts == (error is None), error
+    assert not validator_accepts
