@@ -9,6 +9,7 @@ the same app with one switch:
     OJS_BENCH_PREFETCH worker_prefetch_multiplier (default: Celery's 4)
     OJS_BENCH_ML_PREFETCH `ojs_ml_prefetch` of the plugin (default: the plugin's)
     OJS_BENCH_GRANTS   "1": `ojs_ml_grants` on (throughput mode), store prefix `ojsg`
+    OJS_BENCH_PIPELINE "0": `ojs_ml_pipeline` off (default: the plugin's, on)
     OJS_BENCH_PROFILE  FILE: cProfile of the worker's main process (ready to shutdown)
     OJS_BENCH_PROFILE_CHILDREN  DIR: cProfile of each pool child, DIR/child-PID.prof
     OJS_BENCH_GC       "1": log the main process's cyclic collections and garbage
@@ -74,6 +75,8 @@ def make_app(
             app.conf.ojs_ml_store_prefix = GRANTS_PREFIX
         if os.environ.get("OJS_BENCH_ML_PREFETCH"):
             app.conf.ojs_ml_prefetch = int(os.environ["OJS_BENCH_ML_PREFETCH"])
+        if os.environ.get("OJS_BENCH_PIPELINE") == "0":
+            app.conf.ojs_ml_pipeline = False
         OJSML(app)
     _define_tasks(app, broker)
     return app

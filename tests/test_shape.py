@@ -22,7 +22,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "celery_ojs_ml"
 NAME = "celery_ojs_ml"
 PURE = frozenset({"spec", "capabilities", "matching", "allocator", "scheduler"})
-SUPPORT = frozenset({"errors", "lru", "checkpoint"})
+SUPPORT = frozenset({"errors", "lru", "checkpoint", "celery_internals"})
 SIDES = frozenset({"producer", "leader", "worker", "child", "exporter"})
 MAY_IMPORT = {
     **{side: {side, "wire", "store"} | PURE | SUPPORT for side in SIDES},

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 from kombu import Queue  # type: ignore[attr-defined]
 from kombu.serialization import dumps
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.errors import SpecError, Violation
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.matching.hints import Hints
@@ -123,10 +125,37 @@ def record_granted(
     ctype, cenc, data = dumps(body, serializer=plugin.app.conf.task_serializer)  # type: ignore[no-untyped-call]
     props = {k: (properties or {}).get(k) for k in _PROPERTIES}
     msg = stored_message(data, ctype, cenc, dict(headers), props)
-    try:
-        granted_jobs.record(plugin.store, worker, headers["id"], msg)
-    except Exception as exc:  # the job still goes out; only its crash-window record is lost
-        log.warning("ojs-ml: could not record granted job %s: %s", headers["id"], exc)
+    task_id, store = headers["id"], plugin.store
+
+    def alone() -> None:
+        try:
+            granted_jobs.record(store, worker, task_id, msg)
+        except Exception as exc:  # the job still goes out; only its crash-window record is lost
+            log.warning("ojs-ml: could not record granted job %s: %s", task_id, exc)
+
+    if not _put_first_ready(plugin):
+        alone()
+        return
+
+    def first(pipe: Any) -> None:
+        granted_jobs.record_in(pipe, store, worker, task_id, msg)
+
+    internals.put_first(task_id, store.client, first, alone)
+
+
+_PUT_FIRST: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+"""Per plugin: whether its broker is kombu's Redis transport, with `put_first` installed."""
+
+
+def _put_first_ready(plugin: Any) -> bool:
+    """Whether a granted job's record can travel in its publish's round trip (a Redis
+    broker: `celery_internals.put_first`); a plugin's answer is worked out once."""
+    ready = _PUT_FIRST.get(plugin)
+    if ready is None:
+        with plugin.app.connection_for_write() as conn:
+            redis_broker = conn.transport.driver_type == "redis"
+        ready = _PUT_FIRST[plugin] = redis_broker and internals.install_put_first()
+    return ready
 
 
 def _hinted(headers: Mapping[str, Any]) -> bool:

@@ -37,13 +37,18 @@ def key(store: OJSStore, worker: str) -> str:
 
 def record(store: OJSStore, worker: str, task_id: str, msg: dict[str, Any]) -> None:
     """Record a job about to be published to `worker` under a grant (one round trip)."""
-    name = key(store, worker)
-    entry = json.dumps({"msg": msg, "at": store._clock()})
     with store.client.pipeline(transaction=False) as pipe:
-        pipe.hset(name, task_id, entry)
-        pipe.expire(name, int(KEEP_S))
-        pipe.sadd(store.key("granted-holders"), worker)
+        record_in(pipe, store, worker, task_id, msg)
         pipe.execute()
+
+
+def record_in(pipe: Any, store: OJSStore, worker: str, task_id: str, msg: dict[str, Any]) -> None:
+    """Queue `record`'s commands on `pipe` (the publish's own round trip, where the broker
+    is the store's Redis: `celery_internals.put_first`)."""
+    name = key(store, worker)
+    pipe.hset(name, task_id, json.dumps({"msg": msg, "at": store._clock()}))
+    pipe.expire(name, int(KEEP_S))
+    pipe.sadd(store.key("granted-holders"), worker)
 
 
 def holders(store: OJSStore) -> set[str]:

@@ -21,13 +21,13 @@ from typing import Any
 
 from celery import Celery
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.wire.settings import OJSMLSettings
-from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.setup import plain_running
 
 log = logging.getLogger("celery_ojs_ml.worker.core")

@@ -28,11 +28,11 @@ from typing import Any
 from billiard.exceptions import Terminated, WorkerLostError
 from celery.worker import state as worker_state
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.allocator import Allocation
 from celery_ojs_ml.checkpoint.preempt import Preempted
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.batch import batch_record
-from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.assigned import Assignments
 from celery_ojs_ml.worker.lease_keeping import LeaseKeeper
 from celery_ojs_ml.worker.preemption import Preemptions

@@ -22,13 +22,13 @@ from typing import Any
 import click
 from celery import Celery, bootsteps, signals
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.allocator import Allocator
 from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.wire.queues import intake_name, worker_queue_name
-from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.advertising import Advertiser
 from celery_ojs_ml.worker.assigned import Assignments
 from celery_ojs_ml.worker.batching import Batcher

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.allocator import Allocation, Allocator, Denied, Pending
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.spec.classes import BANDS
@@ -28,7 +29,6 @@ from celery_ojs_ml.wire.headers import DEVICES, NODE, PENDING, PIN, PREFETCH, RE
 from celery_ojs_ml.wire.inbound import BadMessage, InboundCheck
 from celery_ojs_ml.wire.labels import job_labels
 from celery_ojs_ml.wire.settings import OJSMLSettings
-from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.assigned import Assignments, token_of, victims_of
 from celery_ojs_ml.worker.cpu_cores import assign_host
 from celery_ojs_ml.worker.gate_release import GateRelease

@@ -20,6 +20,7 @@ from typing import Any
 
 from celery import Celery
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.allocator import Allocator, Pending
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.store.grants import GrantBook, grants_usable
@@ -28,7 +29,6 @@ from celery_ojs_ml.wire.headers import GRANT as HEADER_GRANT
 from celery_ojs_ml.wire.headers import GRANT_AT as HEADER_GRANT_AT
 from celery_ojs_ml.wire.queues import intake_name, ml_queue
 from celery_ojs_ml.wire.settings import OJSMLSettings
-from celery_ojs_ml.worker import celery_internals as internals
 from celery_ojs_ml.worker.assigned import drop, message_of, token_of
 from celery_ojs_ml.worker.running import Running
 

@@ -17,13 +17,13 @@ from typing import Any, Protocol
 from celery_ojs_ml.capabilities import Capabilities, resolve_capabilities
 from celery_ojs_ml.capabilities.probe import advertised_peers, advertised_tokens, visible_tokens
 from celery_ojs_ml.capabilities.profiles import is_probed
-from celery_ojs_ml.lru import LRU
-from celery_ojs_ml.worker.celery_internals import (
+from celery_ojs_ml.celery_internals import (
     active_request_ids,
     missing_internals,
 )
-from celery_ojs_ml.worker.celery_internals import pool_processes as pool_processes
-from celery_ojs_ml.worker.celery_internals import task_events_on as task_events_on
+from celery_ojs_ml.celery_internals import pool_processes as pool_processes
+from celery_ojs_ml.celery_internals import task_events_on as task_events_on
+from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.worker.warm_pool import SlotTable
 
 log = logging.getLogger("celery_ojs_ml.worker.core")

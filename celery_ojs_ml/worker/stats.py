@@ -18,8 +18,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.wire.warm_slots import TAINTED, devices_of_mask
-from celery_ojs_ml.worker import celery_internals as internals
 
 PREFIX = "ojs_ml."
 Scalar = str | int | float | bool

@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from celery_ojs_ml.celery_internals import put_back_queue
 from celery_ojs_ml.wire.queues import ml_queue
-from celery_ojs_ml.worker.celery_internals import put_back_queue
 from celery_ojs_ml.worker.wakeup import wake_consumer
 
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from celery_ojs_ml.celery_internals import task_events_on
 from celery_ojs_ml.wire import headers as h
-from celery_ojs_ml.worker.celery_internals import task_events_on
 
 log = logging.getLogger("celery_ojs_ml.worker.core")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery_ojs_ml.worker.celery_internals import blocked_brpop
+from celery_ojs_ml.celery_internals import blocked_brpop
 
 log = logging.getLogger(__name__)
 

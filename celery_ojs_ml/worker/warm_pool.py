@@ -1,7 +1,7 @@
 """Warm GPU children (`ojs_ml_recycle_gpu_children = "warm"`): route each job to a child
 whose CUDA is bound to exactly the job's devices, or to a fresh child.
 
-The pool's internals are read through `worker.celery_internals`; the shared slot table
+The pool's internals are read through `celery_ojs_ml.celery_internals`; the shared slot table
 is the child's (`child.warm_slot`, format `wire.warm_slots`).
 
 Key decision (DESIGN decision 3): the device set a process's CUDA was initialised with
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
+from celery_ojs_ml import celery_internals as internals
 from celery_ojs_ml.wire.warm_slots import TAINTED, devices_of_mask, mask_of
-from celery_ojs_ml.worker import celery_internals as internals
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from celery.contrib.testing.mocks import TaskMessage
 from celery.worker.request import Request
 
 from celery_ojs_ml.allocator import Allocation, Allocator
+from celery_ojs_ml.celery_internals import request_embed
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.testing.builders import worker_with
@@ -27,7 +28,6 @@ from celery_ojs_ml.worker.batch_groups import (
     take_waiting,
 )
 from celery_ojs_ml.worker.batching import Batcher
-from celery_ojs_ml.worker.celery_internals import request_embed
 from celery_ojs_ml.worker.running import Running
 
 ONE_GPU = normalize({"ext_ml_gpu_count": 1}).requirements

@@ -1,4 +1,4 @@
-"""The celery/billiard/kombu internals `worker.celery_internals` reads (checked against
+"""The celery/billiard/kombu internals `celery_ojs_ml.celery_internals` reads (checked against
 celery 5.7.0, billiard 4.3.2, kombu 5.x). Each test fails when one of them changes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import billiard.pool
 from celery.concurrency import asynpool
 from kombu.asynchronous import Hub
 
+from celery_ojs_ml import celery_internals
 from celery_ojs_ml.wire import warm_slots
-from celery_ojs_ml.worker import celery_internals
 
 
 def test_warm_pool_finds_every_internal_it_needs_on_the_asynpool_class() -> None:

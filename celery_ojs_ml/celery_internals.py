@@ -1,4 +1,4 @@
-"""Every private Celery, kombu and billiard attribute the worker's main process reads.
+"""Every private Celery, kombu and billiard attribute the plugin reads.
 
 Key decision: the plugin uses Celery's public hooks; where a private attribute
 cannot be avoided it is read here, in one small function with the version it
@@ -9,6 +9,9 @@ and test_consumer_internals.py fail when one changes. Checked against celery
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -231,3 +234,97 @@ def blocked_brpop(task_consumer: Any) -> tuple[Any, Any, Any] | None:
     if not blocked or client is None or sock is None:
         return None
     return channel, client, sock
+
+
+# -- kombu's Redis transport, for publishers (kombu 5.7.0 `kombu.transport.redis`) ----------
+
+First = Callable[[Any], None]
+"""Queues commands on a redis-py pipeline (a granted job's durable record)."""
+_FIRST = threading.local()
+log = logging.getLogger(__name__)
+
+
+class _Commands:
+    """Stands in for kombu's `PublishBatch`: `Channel._put(..., _publish_batch=b)` calls
+    `b.add(command, *args)` for the LPUSH (and the PEXPIREs of a queue with `x-expires`)
+    instead of sending them (tests/producer/test_put_first.py fails if that changes)."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, tuple[Any, ...]]] = []
+
+    def add(self, command: str, *args: Any) -> None:
+        self.commands.append((command, args))
+
+
+def put_first(message_id: str, client: Any, first: First, alone: Callable[[], None]) -> None:
+    """Send `first`'s commands ahead of the next Redis publish of message `message_id`,
+    in the same round trip, where `client` talks to the broker's server and database;
+    elsewhere `alone()` runs before the publish. Needs `install_put_first()`."""
+    _FIRST.pending = (message_id, client, first, alone)
+
+
+def install_put_first() -> bool:
+    """Wrap kombu's Redis `Channel._put` (once per process) so that a publish carries the
+    commands `put_first` left for it; False where kombu's Redis transport cannot load."""
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:  # redis-py missing: no Redis broker to publish to
+        return False
+    channel: Any = kombu_redis.Channel
+    if getattr(channel._put, "_ojs_put_first", False):
+        return True
+    original: Callable[..., None] = channel._put
+
+    @functools.wraps(original)  # `inspect.getsource` still reads kombu's own
+    def _put(self: Any, queue: str, message: Any, **kwargs: Any) -> None:
+        pending = getattr(_FIRST, "pending", None)
+        if pending is None:
+            original(self, queue, message, **kwargs)
+            return
+        _FIRST.pending = None
+        try:
+            _put_after(original, self, queue, message, pending, kwargs)
+        except BaseException:
+            _FIRST.pending = pending  # kombu's retry publishes again: the commands go with it
+            raise
+
+    _put._ojs_put_first = True  # type: ignore[attr-defined]
+    channel._put = _put
+    return True
+
+
+def _put_after(
+    put: Callable[..., None], channel: Any, queue: str, message: Any, pending: Any, kwargs: Any
+) -> None:
+    message_id, client, first, alone = pending
+    headers = message.get("headers") if isinstance(message, Mapping) else None
+    if kwargs.get("_publish_batch") is not None or (headers or {}).get("id") != message_id:
+        alone()  # not this publish's: written first, as without the wrapper
+        put(channel, queue, message, **kwargs)
+        return
+    batch = _Commands()
+    put(channel, queue, message, _publish_batch=batch, **kwargs)
+    with channel.conn_or_acquire() as broker:
+        together = _same_database(broker, client)
+        if not together:
+            alone()
+        with broker.pipeline(transaction=False) as pipe:
+            if together:
+                first(pipe)
+            ahead = len(pipe)
+            for command, args in batch.commands:
+                getattr(pipe, command)(*args)
+            results = pipe.execute(raise_on_error=False)
+    for failed in (r for r in results[:ahead] if isinstance(r, Exception)):
+        log.warning("ojs-ml: a command sent ahead of message %s failed: %s", message_id, failed)
+    for failed in (r for r in results[ahead:] if isinstance(r, Exception)):
+        raise failed
+
+
+def _same_database(a: Any, b: Any) -> bool:
+    """Whether two redis-py clients reach the same server and database (by address)."""
+    ka, kb = a.connection_pool.connection_kwargs, b.connection_pool.connection_kwargs
+    where = tuple(ka.get(f) for f in ("host", "port", "path", "db"))
+    return where[:3] != (None, None, None) and where == tuple(
+        kb.get(f) for f in ("host", "port", "path", "db")
+    )
