@@ -310,7 +310,7 @@ def _put_after(
             alone()
         with broker.pipeline(transaction=False) as pipe:
             if together:
-                first(pipe)
+                _queue_first(first, pipe, message_id)
             ahead = len(pipe)
             for command, args in batch.commands:
                 getattr(pipe, command)(*args)
@@ -319,6 +319,15 @@ def _put_after(
         log.warning("ojs-ml: a command sent ahead of message %s failed: %s", message_id, failed)
     for failed in (r for r in results[ahead:] if isinstance(r, Exception)):
         raise failed
+
+
+def _queue_first(first: First, pipe: Any, message_id: str) -> None:
+    """`first(pipe)`; a failure is logged and the message still goes out (as a record
+    written on its own that fails)."""
+    try:
+        first(pipe)
+    except Exception as exc:
+        log.warning("ojs-ml: could not queue the commands for message %s: %s", message_id, exc)
 
 
 def _same_database(a: Any, b: Any) -> bool:

@@ -152,3 +152,15 @@ def test_a_failed_record_command_is_logged_and_the_message_still_goes_out(
     channel._put(QUEUE, message("t1"))
     assert queued_ids(redis_client) == ["t1"]
     assert "a command sent ahead of message t1 failed" in caplog.text
+
+
+def test_commands_that_cannot_be_queued_are_logged_and_the_message_still_goes_out(
+    channel: Any, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    def first(pipe: Any) -> None:
+        raise TypeError("Object of type bytes is not JSON serializable")
+
+    celery_internals.put_first("t1", redis_client, first, lambda: None)
+    channel._put(QUEUE, message("t1"))
+    assert queued_ids(redis_client) == ["t1"]
+    assert "could not queue the commands for message t1" in caplog.text
