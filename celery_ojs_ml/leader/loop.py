@@ -21,13 +21,16 @@ import socket
 import threading
 import time
 import uuid
+from functools import partial
 from typing import Any
 
-from celery_ojs_ml.scheduler import Decision, Memo, Policy, schedule
+from celery_ojs_ml.errors import ConfigError
+from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX as RESERVATION
 from celery_ojs_ml.store.broker import send_wake
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook, pools_of
+from celery_ojs_ml.wire.batch import options_of
 from celery_ojs_ml.wire.inbound import InboundCheck
 from celery_ojs_ml.wire.queues import intake_name
 
@@ -116,7 +119,7 @@ class FleetScheduler:
         self.delivery = Delivery(s.store_prefix, self.book, self.ledger, self.holds, self.link)
         self.prefetch = Prefetch(
             s, self.policy, self.book, self.delivery.deliver, self.holds, self.notes,
-            parser.requirements, self.inputs.job,
+            parser.requirements, self.inputs.job, partial(batches, self.app),
         )  # fmt: skip
         self.granting = Granting(self.app, s, self.store, self.policy, self.link)
         self.lane = Lane(
@@ -338,3 +341,13 @@ class FleetScheduler:
         msg = record.get("msg") or {}
         body = base64.b64decode(msg.get("body") or b"")
         self.intake.refuse(task_id, dict(msg.get("headers") or {}), body, note)
+
+
+def batches(app: Any, job: PendingJob) -> bool:
+    """Whether the job's task declares `ml_batch` in this process's task registry (a task
+    the leader's process never imported counts as not batching)."""
+    task = app.tasks.get(job.labels.get("job_type", ""))
+    try:
+        return task is not None and options_of(task) is not None
+    except ConfigError:  # a bad declaration: the worker refuses it, nothing batches
+        return False

@@ -94,8 +94,14 @@ class Prefetch:
         notes: Notes,
         parse: Callable[[Any], MLRequirements | None],
         job_of: Callable[[str, dict[str, Any]], PendingJob | None],
+        batched: Callable[[PendingJob], bool] = lambda job: False,
     ) -> None:
         self.settings = settings
+        self.batched = batched
+        """Whether a job's task batches (`ml_batch`): its jobs reach their worker by its
+        grant and its own queue, where a batch fills up to its `max_size`
+        (`worker/batching.py`), so none follows on (`_follow_on`); followed on a prefetch
+        window at a time, they ran in batches of two."""
         self.policy = policy
         self.book = book
         self.deliver = deliver
@@ -187,16 +193,15 @@ class Prefetch:
         """After the last job this pass sent ahead to a turning worker (`runs`; only where
         no other worker could run its class, `ahead.only_worker`), the jobs right behind
         it in fleet order, while they are of its class (`ahead.follows`), planned nowhere,
-        and may wait there (`_may_send_ahead`). The core plans only the first blocked job
+        and may wait there (`_may_send_ahead`); not for a task that batches (`batched`).
+        The core plans only the first blocked job
         where time limits are unknown: one pass would otherwise send one job ahead per
         worker, and a worker whose jobs end faster than passes come would wait for the
         next pass between two of them."""
         if not runs:
             return
         decision, jobs = state.decision, state.jobs
-        sole = {
-            w: first for w, first in runs.items() if rules.only_worker(jobs[first], state.fleet, w)
-        }
+        sole = {w: first for w, first in runs.items() if self._leads(state, w, jobs[first])}
         if not sole:
             return  # the ordering below sorts every waiting job: only when one may follow
         after = rules.next_waiting(decision, jobs)
@@ -215,6 +220,11 @@ class Prefetch:
                 ):
                     break
                 task_id = after.get(task_id)
+
+    def _leads(self, state: PassState, worker: str, first: PendingJob) -> bool:
+        """Whether jobs may follow `first` to `worker`: its task does not batch, and no
+        other worker could run its class (`ahead.only_worker`)."""
+        return not self.batched(first) and rules.only_worker(first, state.fleet, worker)
 
     def _ahead_shares(self, state: PassState) -> AheadShares | None:
         """The queues' weighted shares and holdings; None without fair-share weights."""

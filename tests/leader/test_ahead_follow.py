@@ -10,13 +10,17 @@ class, follow it there (`Prefetch._follow_on`), up to `ojs_ml_prefetch`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
+
+from celery import Celery
 
 from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.leader.ahead import follows, left_after, next_waiting, room, shown_running
 from celery_ojs_ml.leader.budget_holds import BudgetHolds
 from celery_ojs_ml.leader.fleet_view import pending_job
+from celery_ojs_ml.leader.loop import batches
 from celery_ojs_ml.leader.notes import Notes
 from celery_ojs_ml.leader.pass_state import PassState
 from celery_ojs_ml.leader.prefetch import Prefetch
@@ -47,14 +51,19 @@ def _live(*allocs: tuple[str, str, list[int]], name: str = "w", **extra: Any) ->
 class _Leader:
     """A `Prefetch` whose deliveries succeed and are recorded in `sent`."""
 
-    def __init__(self, prefetch: int = 2, weights: tuple[tuple[str, float], ...] = ()) -> None:
+    def __init__(
+        self,
+        prefetch: int = 2,
+        weights: tuple[tuple[str, float], ...] = (),
+        batched: Callable[[PendingJob], bool] = lambda job: False,
+    ) -> None:
         self.sent: list[str] = []
         settings = SimpleNamespace(prefetch=prefetch, max_hold_s=30.0)
         policy = Policy(weights=weights)
         self.prefetch: Any = Prefetch(
             settings, policy, SimpleNamespace(annotate=lambda *a, **k: None), self._deliver,
             BudgetHolds(policy), Notes(None), lambda headers: None,  # type: ignore[arg-type]
-            lambda t, r: pending_job(t, r, self.prefetch.parse),
+            lambda t, r: pending_job(t, r, self.prefetch.parse), batched,
         )  # fmt: skip
 
     def _deliver(self, state: Any, task_id: str, *args: Any, **kwargs: Any) -> bool:
@@ -196,3 +205,39 @@ def test_with_fair_share_weights_no_job_follows() -> None:
     leader = _Leader(prefetch=4, weights=(("celery", 1.0),))
     _turning(leader)
     assert "k" not in leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.0)
+
+
+def test_the_jobs_of_a_task_that_batches_do_not_follow() -> None:
+    """They reach their worker by its grant and its own queue, where a batch fills up to
+    its max_size (worker/batching.py); followed on a prefetch window at a time, they ran
+    in batches of two (bench/batching.py: 57 requests/s against 520)."""
+    jobs = {t: _job(t, at) for t, at in (("j", 1.0), ("k", 2.0), ("l", 3.0))}
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    leader = _Leader(prefetch=3, batched=lambda job: True)
+    _turning(leader)
+    assert leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.0) == ["j"]
+
+
+def test_a_job_batches_when_its_task_declares_ml_batch_in_the_app() -> None:
+    app = Celery("follow", set_as_current=False)
+
+    @app.task(name="serve", ml_batch={"max_size": 8, "max_wait_ms": 5}, shared=False)  # type: ignore[untyped-decorator]
+    def serve(x: int) -> int:
+        return x
+
+    @app.task(name="train", shared=False)  # type: ignore[untyped-decorator]
+    def train(x: int) -> int:
+        return x
+
+    @app.task(name="broken", ml_batch={"max_size": 0}, shared=False)  # type: ignore[untyped-decorator]
+    def broken(x: int) -> int:
+        return x
+
+    def job(task: str) -> PendingJob:
+        return dataclasses.replace(_job(task, 1.0), labels={"job_type": task})
+
+    assert batches(app, job("serve"))
+    assert not batches(app, job("train"))
+    assert not batches(app, job("broken")), "a bad declaration batches nothing"
+    assert not batches(app, job("never-imported"))
+    assert not batches(app, _job("unnamed", 1.0))
