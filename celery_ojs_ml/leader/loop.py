@@ -21,16 +21,16 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.scheduler import Decision, Memo, PendingJob, Policy, schedule
 from celery_ojs_ml.scheduler.pools import PREFIX as RESERVATION
 from celery_ojs_ml.store.broker import send_wake
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook, pools_of
-from celery_ojs_ml.wire.batch import options_of
+from celery_ojs_ml.wire.batch import advertised, batches_requests
 from celery_ojs_ml.wire.inbound import InboundCheck
 from celery_ojs_ml.wire.queues import intake_name
 
@@ -343,11 +343,19 @@ class FleetScheduler:
         self.intake.refuse(task_id, dict(msg.get("headers") or {}), body, note)
 
 
-def batches(app: Any, job: PendingJob) -> bool:
-    """Whether the job's task declares `ml_batch` in this process's task registry (a task
-    the leader's process never imported counts as not batching)."""
-    task = app.tasks.get(job.labels.get("job_type", ""))
-    try:
-        return task is not None and options_of(task) is not None
-    except ConfigError:  # a bad declaration: the worker refuses it, nothing batches
+def batches(app: Any, job: PendingJob, live: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether the job's task batches its requests (`wire.batch.batches_requests`): in this
+    process's task registry, or as a live worker's heartbeat lists it (`info.batching`),
+    for a task the leader's process never imported."""
+    name = job.labels.get("job_type")
+    if not isinstance(name, str) or not name:
         return False
+    task = app.tasks.get(name)
+    if task is not None and batches_requests(task):
+        return True
+    return any(name in advertised(_info(entry)) for entry in live.values())
+
+
+def _info(entry: Any) -> Any:
+    """A heartbeat's `info`; None for an entry of another shape."""
+    return entry.get("info") if isinstance(entry, Mapping) else None

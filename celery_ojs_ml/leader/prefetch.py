@@ -15,7 +15,7 @@ The rules, one by one, are on `Prefetch`; the pure ones in `leader.ahead`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from celery_ojs_ml.allocator.model import Demand, rank
@@ -35,6 +35,11 @@ from .pass_state import PassState
 log = logging.getLogger("celery_ojs_ml.leader.loop")
 
 __all__ = ["Prefetch", "ahead_estimates"]
+
+
+Batched = Callable[[PendingJob, Mapping[str, Mapping[str, Any]]], bool]
+"""Whether a job's task batches its requests, given the pass's live workers' heartbeats
+(`leader.loop.batches`)."""
 
 
 class Deliver(Protocol):
@@ -94,12 +99,13 @@ class Prefetch:
         notes: Notes,
         parse: Callable[[Any], MLRequirements | None],
         job_of: Callable[[str, dict[str, Any]], PendingJob | None],
-        batched: Callable[[PendingJob], bool] = lambda job: False,
+        batched: Batched = lambda job, live: False,
     ) -> None:
         self.settings = settings
         self.batched = batched
-        """Whether a job's task batches (`ml_batch`): its jobs reach their worker by its
-        grant and its own queue, where a batch fills up to its `max_size`
+        """Whether a job's task batches (`ml_batch`), in the leader's task registry or as
+        the pass's live workers advertise it (`info.batching`): its jobs reach their worker
+        by its grant and its own queue, where a batch fills up to its `max_size`
         (`worker/batching.py`), so none follows on (`_follow_on`); followed on a prefetch
         window at a time, they ran in batches of two."""
         self.policy = policy
@@ -201,7 +207,8 @@ class Prefetch:
         if not runs:
             return
         decision, jobs = state.decision, state.jobs
-        sole = {w: first for w, first in runs.items() if self._leads(state, w, jobs[first])}
+        kinds: dict[str, bool] = {}  # batched, by task name: each reads every heartbeat
+        sole = {w: f for w, f in runs.items() if self._leads(state, w, jobs[f], kinds)}
         if not sole:
             return  # the ordering below sorts every waiting job: only when one may follow
         after = rules.next_waiting(decision, jobs)
@@ -221,10 +228,17 @@ class Prefetch:
                     break
                 task_id = after.get(task_id)
 
-    def _leads(self, state: PassState, worker: str, first: PendingJob) -> bool:
-        """Whether jobs may follow `first` to `worker`: its task does not batch, and no
-        other worker could run its class (`ahead.only_worker`)."""
-        return not self.batched(first) and rules.only_worker(first, state.fleet, worker)
+    def _leads(
+        self, state: PassState, worker: str, first: PendingJob, kinds: dict[str, bool]
+    ) -> bool:
+        """Whether jobs may follow `first` to `worker`: its task does not batch (`kinds`
+        keeps the answer by task name for the pass), and no other worker could run its
+        class (`ahead.only_worker`)."""
+        name = first.labels.get("job_type", "")
+        batched = kinds.get(name)
+        if batched is None:
+            batched = kinds[name] = self.batched(first, state.live)
+        return not batched and rules.only_worker(first, state.fleet, worker)
 
     def _ahead_shares(self, state: PassState) -> AheadShares | None:
         """The queues' weighted shares and holdings; None without fair-share weights."""

@@ -12,6 +12,10 @@ Key decisions:
   one pool job carries the whole batch; each other request is one `member`
   record (its headers, arguments and Celery's embedded callbacks).
 
+* Whether a task batches its requests is one rule (`batches_requests`): the
+  worker's gate, its heartbeat (`info.batching`, the names of its tasks that
+  batch) and the leader's prefetch (no job of such a task follows on) agree.
+
 Record (`h.BATCH` header): `{"requests": [member, ...], "events": bool}`.
 """
 
@@ -29,6 +33,8 @@ MAX_SIZE = 1024
 MAX_WAIT_MS = 10_000.0
 DEFAULT_WAIT_MS = 5.0
 REQUESTS, EVENTS = "requests", "events"
+ADVERTISED = "batching"
+"""The heartbeat `info` key listing the names of a worker's tasks that batch."""
 _EXAMPLE = f'e.g. {OPTION}={{"max_size": 32, "max_wait_ms": 5}}'
 
 
@@ -67,6 +73,36 @@ def options_of(task: Any) -> BatchOptions | None:
             f"from 0 to {MAX_WAIT_MS:g}, {_EXAMPLE}"
         )
     return BatchOptions(size, float(wait) / 1000.0)
+
+
+def batching(options: BatchOptions | None) -> bool:
+    """Whether a declaration batches requests: a `max_size` of 1 runs them one by one."""
+    return options is not None and options.max_size >= 2
+
+
+def batches_requests(task: Any) -> bool:
+    """Whether a task batches its requests (`batching`); a bad declaration batches
+    nothing (the worker refuses to start with it, and every call of it raises)."""
+    try:
+        return batching(options_of(task))
+    except ConfigError:
+        return False
+
+
+def batching_tasks(tasks: Mapping[str, Any]) -> list[str]:
+    """The sorted names of a task registry's tasks that batch their requests
+    (`info.batching` in a worker's heartbeat)."""
+    return sorted(name for name, task in list(tasks.items()) if batches_requests(task))
+
+
+def advertised(info: Any) -> frozenset[str]:
+    """The task names a heartbeat's `info` lists as batching; a value of another shape
+    (a foreign or corrupt heartbeat) lists none, and a name that is not a string is
+    skipped."""
+    found = info.get(ADVERTISED) if isinstance(info, Mapping) else None
+    if not isinstance(found, list):
+        return frozenset()
+    return frozenset(name for name in found if isinstance(name, str))
 
 
 def batch_record(members: list[dict[str, Any]], events: bool) -> dict[str, Any]:

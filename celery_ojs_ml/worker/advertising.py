@@ -4,7 +4,8 @@ Key decisions:
 * The advertisement is the declared capabilities plus what is live: models
   loaded by pool children (a store record they write, `live_models`),
   reservations held, the allocator's snapshot; it is re-written on every
-  heartbeat.
+  heartbeat. It names the tasks here that batch their requests
+  (`info.batching`): a leader whose process never imported one still sees it.
 * Capacity freed or given back is advertised, then the leader is woken; both
   go in one round trip where the store is the broker's Redis (`broker.wake_list`),
   and wake-ups of one event-loop turn are coalesced into one.
@@ -27,6 +28,7 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.registry import OJSStore
+from celery_ojs_ml.wire.batch import ADVERTISED, batching_tasks
 from celery_ojs_ml.wire.settings import OJSMLSettings
 from celery_ojs_ml.worker.setup import plain_running
 
@@ -62,6 +64,8 @@ class Advertiser:
         self._caps_doc: dict[str, Any] | None = None
         self._plain_advertised = 0
         """`info.plain_running` as last advertised."""
+        self._batching: tuple[int, list[str]] = (-1, [])
+        """`info.batching`, and the size of the task registry it was read from."""
         self._wake_list: str | None = None
         self._wake_due = False
 
@@ -100,6 +104,7 @@ class Advertiser:
                 "processes": internals.pool_processes(self.c),
                 "plain_running": plain,
                 "granted_started": self.granted_started_at(),
+                ADVERTISED: self.batching(),
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}
@@ -107,6 +112,15 @@ class Advertiser:
                 self.store.advertise(*args, **kwargs)
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
+
+    def batching(self) -> list[str]:
+        """The sorted names of this worker's tasks that batch their requests
+        (`wire.batch.batching_tasks`), read again only when its task registry's size
+        changed: a task defined later (a lazy import) adds one."""
+        tasks = self.app.tasks
+        if self._batching[0] != len(tasks):
+            self._batching = (len(tasks), batching_tasks(tasks))
+        return self._batching[1]
 
     def plain_changed(self) -> bool:
         """Whether the plain Celery tasks running here changed since the last advertisement.

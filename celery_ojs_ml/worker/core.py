@@ -28,6 +28,7 @@ from celery_ojs_ml.capabilities import Capabilities, capabilities_to_dict
 from celery_ojs_ml.errors import ConfigError
 from celery_ojs_ml.store import broker
 from celery_ojs_ml.store.pending import PendingBook
+from celery_ojs_ml.wire.batch import batching
 from celery_ojs_ml.wire.queues import intake_name, worker_queue_name
 from celery_ojs_ml.worker.advertising import Advertiser
 from celery_ojs_ml.worker.assigned import Assignments
@@ -297,7 +298,7 @@ class MLWorker(bootsteps.StartStopStep):  # type: ignore[misc]
             requirements=lambda req: gate.preemptions.cap(
                 gate.admission.parse(req.request_dict), req.request_dict
             ),
-            batched=lambda req: _batched(batched(req)),
+            batched=lambda req: batching(batched(req)),
         )
 
     def _check_concurrency(self, limit: Any) -> None:
@@ -383,8 +384,3 @@ def _deferrer(hub: Any) -> Any:
     if hub is None:
         return None
     return lambda fn, delay_s: hub.call_later(delay_s, fn)
-
-
-def _batched(options: Any) -> bool:
-    """Whether a task's `ml_batch` declaration batches its requests (more than one)."""
-    return options is not None and int(getattr(options, "max_size", 1)) >= 2

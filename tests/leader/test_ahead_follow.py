@@ -10,7 +10,7 @@ class, follow it there (`Prefetch._follow_on`), up to `ojs_ml_prefetch`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,11 +23,12 @@ from celery_ojs_ml.leader.fleet_view import pending_job
 from celery_ojs_ml.leader.loop import batches
 from celery_ojs_ml.leader.notes import Notes
 from celery_ojs_ml.leader.pass_state import PassState
-from celery_ojs_ml.leader.prefetch import Prefetch
+from celery_ojs_ml.leader.prefetch import Batched, Prefetch
 from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation, WorkerState
 from celery_ojs_ml.scheduler.model import Assignment
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.testing.builders import worker_with
+from celery_ojs_ml.wire.batch import batching_tasks
 
 
 def _job(task_id: str, at: float, band: str = "on-demand", gpus: int = 1, **kw: Any) -> PendingJob:
@@ -55,7 +56,7 @@ class _Leader:
         self,
         prefetch: int = 2,
         weights: tuple[tuple[str, float], ...] = (),
-        batched: Callable[[PendingJob], bool] = lambda job: False,
+        batched: Batched = lambda job, live: False,
     ) -> None:
         self.sent: list[str] = []
         settings = SimpleNamespace(prefetch=prefetch, max_hold_s=30.0)
@@ -213,31 +214,80 @@ def test_the_jobs_of_a_task_that_batches_do_not_follow() -> None:
     in batches of two (bench/batching.py: 57 requests/s against 520)."""
     jobs = {t: _job(t, at) for t, at in (("j", 1.0), ("k", 2.0), ("l", 3.0))}
     plan = Decision(reservations=(Reservation("j", "w", None),))
-    leader = _Leader(prefetch=3, batched=lambda job: True)
+    leader = _Leader(prefetch=3, batched=lambda job, live: True)
     _turning(leader)
     assert leader.send(plan, jobs, _live(("b", "on-demand", [0])), 100.0) == ["j"]
 
 
-def test_a_job_batches_when_its_task_declares_ml_batch_in_the_app() -> None:
+def _app() -> Celery:
+    """An app that declares `serve` batched, `single` batched one by one, `train`
+    plain, and `broken` with a bad declaration."""
     app = Celery("follow", set_as_current=False)
+    declared: dict[str, dict[str, Any]] = {
+        "serve": {"ml_batch": {"max_size": 8, "max_wait_ms": 5}},
+        "single": {"ml_batch": {"max_size": 1}},
+        "train": {},
+        "broken": {"ml_batch": {"max_size": 0}},
+    }
+    for name, options in declared.items():
+        app.task(name=name, shared=False, **options)(_echo)
+    return app
 
-    @app.task(name="serve", ml_batch={"max_size": 8, "max_wait_ms": 5}, shared=False)  # type: ignore[untyped-decorator]
-    def serve(x: int) -> int:
-        return x
 
-    @app.task(name="train", shared=False)  # type: ignore[untyped-decorator]
-    def train(x: int) -> int:
-        return x
+def _echo(x: int) -> int:
+    return x
 
-    @app.task(name="broken", ml_batch={"max_size": 0}, shared=False)  # type: ignore[untyped-decorator]
-    def broken(x: int) -> int:
-        return x
 
-    def job(task: str) -> PendingJob:
-        return dataclasses.replace(_job(task, 1.0), labels={"job_type": task})
+def _typed(task: str) -> PendingJob:
+    return dataclasses.replace(_job(task, 1.0), labels={"job_type": task})
 
-    assert batches(app, job("serve"))
-    assert not batches(app, job("train"))
-    assert not batches(app, job("broken")), "a bad declaration batches nothing"
-    assert not batches(app, job("never-imported"))
-    assert not batches(app, _job("unnamed", 1.0))
+
+def test_a_job_batches_when_its_task_declares_ml_batch_in_the_app() -> None:
+    app = _app()
+    assert batches(app, _typed("serve"), {})
+    assert not batches(app, _typed("train"), {})
+    assert not batches(app, _typed("single"), {}), "max_size 1 runs requests one by one"
+    assert not batches(app, _typed("broken"), {}), "a bad declaration batches nothing"
+    assert not batches(app, _typed("never-imported"), {})
+    assert not batches(app, _job("unnamed", 1.0), {})
+
+
+def test_a_job_batches_when_a_live_worker_advertises_its_task_as_batching() -> None:
+    """The leader's process need not import the serving module: a worker's heartbeat
+    names its tasks that batch (`info.batching`), as the worker's own rule decides."""
+    app = Celery("leader", set_as_current=False)
+    live = {"w": {"info": {"batching": ["serve"]}}, "v": {"info": {"queues": ["celery"]}}}
+    assert batches(app, _typed("serve"), live)
+    assert not batches(app, _typed("train"), live)
+    assert not batches(app, _typed("serve"), {}), "no worker left that advertises it"
+    assert batching_tasks(_app().tasks) == ["serve"], "max_size 1 and bad ones do not batch"
+
+
+def test_a_corrupt_or_foreign_batching_advertisement_counts_for_nothing() -> None:
+    app = Celery("leader", set_as_current=False)
+    for found in ("serve", {"serve": True}, [b"serve", 7, None], 3, None):
+        live: dict[str, Any] = {"w": {"info": {"batching": found}}}
+        assert not batches(app, _typed("serve"), live), found
+    for entry in ("junk", {"info": "junk"}, {"info": None}, {}):
+        assert not batches(app, _typed("serve"), {"w": entry}), entry  # type: ignore[dict-item]
+    mixed: dict[str, Any] = {"w": {"info": {"batching": [7, "serve"]}}}
+    assert batches(app, _typed("serve"), mixed), "the names among the junk still count"
+
+
+def test_the_jobs_of_a_task_only_a_live_worker_declares_batching_do_not_follow() -> None:
+    """With `leader.loop.batches` wired as the leader does, for a task its process never
+    imported: without the advertisement the next jobs follow, with it only the planned
+    job goes."""
+    serve = {"job_type": "serve"}
+    jobs = {
+        t: dataclasses.replace(_job(t, at), labels=serve)
+        for t, at in (("j", 1.0), ("k", 2.0), ("l", 3.0))
+    }
+    plan = Decision(reservations=(Reservation("j", "w", None),))
+    app = Celery("leader", set_as_current=False)
+    for advertised, want in ((["serve"], ["j"]), (["other"], ["j", "k", "l"])):
+        leader = _Leader(prefetch=3, batched=partial(batches, app))
+        _turning(leader)
+        live = _live(("b", "on-demand", [0]))
+        live["w"]["info"] = {"batching": advertised}
+        assert leader.send(plan, jobs, live, 100.0) == want, advertised
