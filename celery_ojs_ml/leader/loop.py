@@ -30,7 +30,7 @@ from celery_ojs_ml.scheduler.pools import PREFIX as RESERVATION
 from celery_ojs_ml.store.broker import send_wake
 from celery_ojs_ml.store.pending import PendingBook
 from celery_ojs_ml.store.reservations import ReservationBook, pools_of
-from celery_ojs_ml.wire.batch import advertised, batches_requests
+from celery_ojs_ml.wire.batch import advertises, batches_requests
 from celery_ojs_ml.wire.inbound import InboundCheck
 from celery_ojs_ml.wire.queues import intake_name
 
@@ -353,7 +353,7 @@ def batches(app: Any, job: PendingJob, live: Mapping[str, Mapping[str, Any]]) ->
     task = app.tasks.get(name)
     if task is not None and batches_requests(task):
         return True
-    return any(name in advertised(_info(entry)) for entry in live.values())
+    return any(advertises(_info(entry), name) for entry in live.values())
 
 
 def _info(entry: Any) -> Any:

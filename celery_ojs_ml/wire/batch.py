@@ -95,14 +95,11 @@ def batching_tasks(tasks: Mapping[str, Any]) -> list[str]:
     return sorted(name for name, task in list(tasks.items()) if batches_requests(task))
 
 
-def advertised(info: Any) -> frozenset[str]:
-    """The task names a heartbeat's `info` lists as batching; a value of another shape
-    (a foreign or corrupt heartbeat) lists none, and a name that is not a string is
-    skipped."""
+def advertises(info: Any, name: str) -> bool:
+    """Whether a heartbeat's `info` lists task `name` as batching; a value of another
+    shape (a foreign or corrupt heartbeat) lists none."""
     found = info.get(ADVERTISED) if isinstance(info, Mapping) else None
-    if not isinstance(found, list):
-        return frozenset()
-    return frozenset(name for name in found if isinstance(name, str))
+    return isinstance(found, list) and name in found
 
 
 def batch_record(members: list[dict[str, Any]], events: bool) -> dict[str, Any]:
