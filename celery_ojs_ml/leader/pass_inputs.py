@@ -32,7 +32,7 @@ from celery_ojs_ml.store.reservations import ReservationBook
 from .fleet_view import allocated_ids, pending_job, worker_states
 from .ledger import Ledger
 from .parsing import Parser
-from .pass_reads import read_pass
+from .pass_reads import feeds_of, read_pass
 from .pass_state import PassState
 from .pending_view import PendingView
 
@@ -87,6 +87,8 @@ class PassInputs:
         self.policy = policy
         self.parser = parser
         self.intake = intake
+        self.feeds = feeds_of(store, self.leases)
+        """The live workers' heartbeats and the leases, read again only where they changed."""
         self.caps: LRU[str, Capabilities] = LRU(4096)
         self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
         """Parsed waiting jobs by (task id, admitted at, priority) (`job`)."""
@@ -105,6 +107,7 @@ class PassInputs:
         and decides every job in it."""
         self._full_pass_at = -1e9
         self.view.reset()
+        self.feeds.reset()
 
     def first_reads(self, state: PassState) -> bool:
         """Records, whether reservations exist, live workers and leases, in one round trip
@@ -112,8 +115,8 @@ class PassInputs:
         or is reserved (`state.quiet`: and the reads saw the fleet exactly)."""
         assigned = list(self.ledger.entries)
         reads = read_pass(
-            self.store, self.book, self.leases, self.reservations.key, assigned,
-            self.intake.admission,
+            self.store, self.book, self.reservations.key, assigned,
+            self.feeds, self.intake.admission,
         )  # fmt: skip
         self._starts = {} if reads is None else reads.started
         if reads is None or self._fresh is None:  # no change marks: no window

@@ -12,16 +12,16 @@ workers and leases are read again one by one, which loads it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from celery_ojs_ml.store.feed import FeedReader, heartbeat, lease
 from celery_ojs_ml.store.leases import LeaseBook
 from celery_ojs_ml.store.pending import PendingBook
-from celery_ojs_ml.store.registry import OJSStore, _text, pairs
+from celery_ojs_ml.store.registry import OJSStore, _text
 
 _POP_ALL = 1 << 30
 """`SPOP` count: every change mark there is."""
@@ -38,7 +38,8 @@ class PassReads:
     reserving: bool
     """Whether any reservation record exists."""
     workers: dict[str, dict[str, Any]]
-    """`OJSStore.live_workers()`."""
+    """`OJSStore.live_workers()`, through the leader's `FeedReader`: only the
+    heartbeats that changed since the last pass are read."""
     leases: list[dict[str, Any]]
     """`LeaseBook.all()`."""
     started: dict[str, float | None]
@@ -48,9 +49,9 @@ class PassReads:
 def read_pass(
     store: OJSStore,
     book: PendingBook,
-    leases: LeaseBook,
     reservations_key: str,
     assigned: list[str],
+    feeds: Feeds,
     before: Callable[[Any], Callable[[Any], None] | None] | None = None,
 ) -> PassReads | None:
     """The pass's first reads in one pipeline, with the start times of the jobs in
@@ -59,20 +60,19 @@ def read_pass(
     sha = store.indexed_sha
     if sha is None:
         return None
-    index, prefix, cutoff = store.live_read("worker")
-    lease_index, lease_prefix = leases.index_read()
+    cutoff = store.live_read("worker")[2]
+    workers = feeds.workers
     with store.client.pipeline(transaction=False) as pipe:
         first = before(pipe) if before is not None else None
         pipe.zrange(book.index_key, 0, -1)
         pipe.spop(book.changed_key, _POP_ALL)
         pipe.exists(reservations_key)
-        pipe.evalsha(sha, 1, index, cutoff, prefix)
-        pipe.evalsha(sha, 1, lease_index, "", lease_prefix)
+        feeds.queue(pipe, cutoff)
         book.read_started(pipe, assigned)
         replies = pipe.execute(raise_on_error=False)
     if first is not None:
         first(replies.pop(0))
-    ids, changed, exists, workers, found, *starts = replies
+    ids, changed, exists, live, found, *starts = replies
     for reply in (ids, changed, exists, *starts):
         if isinstance(reply, Exception):
             raise reply
@@ -80,9 +80,47 @@ def read_pass(
         _texts(ids),
         {_text(i) for i in changed or ()},
         bool(exists),
-        _script(workers, store.live_workers, lambda f: {n: json.loads(v) for n, v in pairs(f)}),
-        _script(found, leases.all, lambda f: [json.loads(v) for _, v in pairs(f)]),
+        _script(live, lambda: workers.read(cutoff), workers.apply),
+        _script(found, feeds.all_leases, feeds.apply_leases),
         book.parse_started(assigned, starts),
+    )
+
+
+@dataclass
+class Feeds:
+    """The leader's readers of heartbeats and leases (`store.feed`): each pass reads
+    again only the values that changed since the last."""
+
+    workers: FeedReader
+    leases: FeedReader
+
+    def queue(self, pipe: Any, cutoff_ms: int) -> None:
+        """Both reads into `pipe` (heartbeats past `cutoff_ms` are pruned first)."""
+        for reader, cutoff in ((self.workers, cutoff_ms), (self.leases, None)):
+            keys, args = reader.arguments(cutoff)
+            pipe.evalsha(reader.sha, len(keys), *keys, *args)
+
+    def all_leases(self) -> list[dict[str, Any]]:
+        """Every lease, as `LeaseBook.all()` (one round trip; loads the script)."""
+        return list(self.leases.read().values())
+
+    def apply_leases(self, reply: list[Any]) -> list[dict[str, Any]]:
+        """Every lease after the lease reader's reply."""
+        return list(self.leases.apply(reply).values())
+
+    def reset(self) -> None:
+        """Read every value at the next pass (a new leadership)."""
+        self.workers.reset()
+        self.leases.reset()
+
+
+def feeds_of(store: OJSStore, leases: LeaseBook) -> Feeds:
+    """`read_pass`'s readers of `store`'s heartbeats and of `leases`."""
+    index, prefix, _ = store.live_read("worker")
+    lease_index, lease_prefix = leases.index_read()
+    return Feeds(
+        FeedReader(store.client, (index, store.worker_feed, prefix), heartbeat),
+        FeedReader(store.client, (lease_index, leases.feed, lease_prefix), lease),
     )
 
 

@@ -29,21 +29,22 @@ BATCH = """
 local takes = tonumber(ARGV[1])
 local a = 2
 for i = 1, takes do
-  redis.call('SET', KEYS[1 + i], ARGV[a + 1])
+  redis.call('SET', KEYS[2 + i], ARGV[a + 1])
   redis.call('ZADD', KEYS[1], ARGV[a + 2], ARGV[a])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[#ARGV], '*', 'n', ARGV[a])
   a = a + 3
 end
 local released = 0
-for i = takes + 1, #KEYS - 1 do
+for i = takes + 1, #KEYS - 2 do
   local id, token = ARGV[a], ARGV[a + 1]
   a = a + 2
-  local raw = redis.call('GET', KEYS[1 + i])
+  local raw = redis.call('GET', KEYS[2 + i])
   if not raw then
     redis.call('ZREM', KEYS[1], id)
   else
     local ok, lease = pcall(cjson.decode, raw)
     if ok and type(lease) == 'table' and lease['token'] == token then
-      redis.call('DEL', KEYS[1 + i])
+      redis.call('DEL', KEYS[2 + i])
       redis.call('ZREM', KEYS[1], id)
       released = released + 1
     end

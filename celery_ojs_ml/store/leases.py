@@ -21,6 +21,7 @@ from typing import Any
 import redis
 
 from celery_ojs_ml.store import lease_scripts as scripts
+from celery_ojs_ml.store.feed import FED, MAXLEN, append
 from celery_ojs_ml.store.lease_scripts import _sort_by_token, _with_deadline
 from celery_ojs_ml.store.lease_writer import (
     BUSY_DELAY_S,
@@ -75,6 +76,8 @@ class LeaseBook:
         self.ttl_s = ttl_s
         self._r = store.client
         self._index = store.key("leases")
+        self.feed = store.key("feed", "lease")
+        """Leases written or claimed, not refreshed (`store.feed`)."""
         self._scripts: dict[str, Any] | None = {
             "release": self._r.register_script(scripts.RELEASE),
             "batch": self._r.register_script(scripts.BATCH),
@@ -109,7 +112,7 @@ class LeaseBook:
         """
         token = token or uuid.uuid4().hex
         deadline = self._now() + self.ttl_s
-        payload = json.dumps(_with_deadline({**record, "token": token}, deadline))
+        payload = json.dumps(_with_deadline({**record, "token": token, FED: 1}, deadline))
         return token, (record["task_id"], payload, deadline)
 
     def take(self, record: dict[str, Any], token: str | None = None) -> str:
@@ -229,7 +232,7 @@ class LeaseBook:
         self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
     ) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of the batch script."""
-        keys = [self._index]
+        keys = [self._index, self.feed]
         args: list[Any] = [len(takes)]
         for task_id, payload, deadline in takes:
             keys.append(self._key(task_id))
@@ -237,7 +240,7 @@ class LeaseBook:
         for task_id, token in releases:
             keys.append(self._key(task_id))
             args += [task_id, token]
-        return keys, args
+        return keys, [*args, MAXLEN]
 
     def write_batch(
         self, takes: list[tuple[str, str, float]], releases: list[tuple[str, str]]
@@ -267,6 +270,7 @@ class LeaseBook:
             for task_id, payload, deadline in takes:
                 pipe.set(self._key(task_id), payload)
                 pipe.zadd(self._index, {task_id: deadline})
+                pipe.execute_command(*append(self.feed, task_id))  # type: ignore[no-untyped-call]
             if takes:
                 pipe.execute()
         for task_id, token in releases:
@@ -306,6 +310,7 @@ class LeaseBook:
                     "incarnation": incarnation,
                     "token": token,
                     "claimed_from": lease.get("worker"),
+                    FED: 1,
                 },
                 now + self.ttl_s,
             ),
@@ -342,6 +347,7 @@ class LeaseBook:
                     else:
                         pipe.set(key, json.dumps(new))
                         pipe.zadd(self._index, {task_id: new["deadline"]})
+                        pipe.execute_command(*append(self.feed, task_id))  # type: ignore[no-untyped-call]
                     pipe.execute()
                     return dict(lease)
                 except redis.WatchError:

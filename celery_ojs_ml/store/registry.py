@@ -24,6 +24,7 @@ import redis
 
 from celery_ojs_ml.spec.classes import BANDS
 from celery_ojs_ml.store import connect
+from celery_ojs_ml.store.feed import FED, append, feed_key
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class OJSStore:
         self.replicas, self.replica_wait_ms = replicas, replica_wait_ms
         """`replicated`: how many replicas to wait for, and for how long at most."""
         self._short_logged = -_SHORT_LOG_S
+        self._advertised: dict[str, str] = {}
+        """Worker -> its last heartbeat's content as queued here (`advertise_commands`)."""
 
     @classmethod
     def from_url(
@@ -227,10 +230,14 @@ class OJSStore:
         commands = self.advertise_commands(
             worker, capabilities, free, ttl_s=ttl_s, info=info, held=held, push=push
         )
-        with self._r.pipeline(transaction=True) as pipe:
-            for command in commands:
-                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            pipe.execute()
+        try:
+            with self._r.pipeline(transaction=True) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+                pipe.execute()
+        except Exception:
+            self.advertise_failed(worker)
+            raise
 
     def advertise_commands(
         self,
@@ -246,24 +253,32 @@ class OJSStore:
         """`advertise`'s writes as Redis commands, for a caller that sends them itself
         (the worker's wake-up, on its lease connection, without waiting for the reply);
         applied in order on one connection, the push comes after the heartbeat."""
-        payload = {
-            "capabilities": capabilities,
-            "free": free,
-            "info": info or {},
-            "ts": self._clock(),
-        }
+        content = {"capabilities": capabilities, "free": free, "info": info or {}, FED: 1}
+        now = self._clock()
         ttl_ms = _ttl_ms(ttl_s)
-        expires_ms = round(self._clock() * 1000) + ttl_ms
-        items: list[tuple[str, Any]] = [("worker", payload)]
+        items: list[tuple[str, Any]] = [("worker", {**content, "ts": now})]
         if held is not None:
             items.append(("held", held))
         commands: list[tuple[str | bytes | int, ...]] = []
         for kind, value in items:
             commands.append(("SET", self.key(kind, worker), _dumps(value), "PX", ttl_ms))
-            commands.append(("ZADD", self.key("index", kind), expires_ms, worker))
+            commands.append(("ZADD", self.key("index", kind), round(now * 1000) + ttl_ms, worker))
+        text = _dumps(content)
+        if self._advertised.get(worker) != text:
+            self._advertised[worker] = text
+            commands.append(append(self.worker_feed, worker))
         if push is not None:
             commands.append(("LPUSH", push[0], push[1]))
         return commands
+
+    @property
+    def worker_feed(self) -> str:
+        """The feed of heartbeats whose content changed (`store.feed`)."""
+        return feed_key(self._base, "worker")
+
+    def advertise_failed(self, worker: str) -> None:
+        """A heartbeat may not have been written: the next one goes to the feed."""
+        self._advertised.pop(worker, None)
 
     def live_workers(self) -> dict[str, dict[str, Any]]:
         """`{worker: {"capabilities", "free", "info", "ts"}}` for every unexpired heartbeat."""

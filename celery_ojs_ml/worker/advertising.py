@@ -108,10 +108,25 @@ class Advertiser:
             }
             args = (self.hostname, self._caps_doc, snap)
             kwargs: dict[str, Any] = {"ttl_s": ttl, "info": info, "held": held, "push": wake}
-            if send is None or not send(self.store.advertise_commands(*args, **kwargs)):
+            if not self._sent(send, args, kwargs):
                 self.store.advertise(*args, **kwargs)
         except Exception as exc:  # a store outage must not stop the worker
             log.warning("ojs-ml: advertisement failed: %s", exc)
+
+    def _sent(
+        self,
+        send: Callable[[list[tuple[Any, ...]]], bool] | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> bool:
+        """Whether `send` took the heartbeat's writes; when it did not, what they queued
+        for the heartbeat feed is forgotten, so the write that follows queues it again."""
+        if send is None:
+            return False
+        if send(self.store.advertise_commands(*args, **kwargs)):
+            return True
+        self.store.advertise_failed(self.hostname)
+        return False
 
     def batching(self) -> list[str]:
         """The sorted names of this worker's tasks that batch their requests
@@ -185,6 +200,7 @@ class Advertiser:
             fire = self.fire
 
             def again() -> None:
+                self.store.advertise_failed(self.hostname)
                 self.advertise(wake=wake)
 
             self.advertise(wake=wake, send=lambda cmds: fire(cmds, again))

@@ -175,7 +175,7 @@ def test_refresh_changes_nothing_in_a_lease_but_its_deadline(book: Any) -> None:
     clock.now = 1010.0
     assert owner.refresh({"exact": token}) == ([], [])
     lease = owner.get("exact")
-    assert lease == {**record, "token": token, "deadline": 1040.0}
+    assert lease == {**record, "token": token, "fed": 1, "deadline": 1040.0}
 
 
 def test_refresh_extends_a_lease_whose_deadline_is_not_its_last_field(book: Any) -> None:

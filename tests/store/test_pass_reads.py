@@ -12,7 +12,7 @@ import redis
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.leader.ledger import Ledger
 from celery_ojs_ml.leader.pass_inputs import started_at as started_from
-from celery_ojs_ml.leader.pass_reads import read_pass
+from celery_ojs_ml.leader.pass_reads import feeds_of, read_pass
 from celery_ojs_ml.leader.pending_view import PendingView
 from celery_ojs_ml.store.leases import LeaseBook
 from celery_ojs_ml.store.pending import PendingBook
@@ -38,7 +38,7 @@ def _fleet(store: OJSStore) -> tuple[PendingBook, LeaseBook, str]:
 
 def test_one_round_trip_gives_what_the_reads_one_by_one_give(store: OJSStore) -> None:
     book, leases, resv = _fleet(store)
-    reads = read_pass(store, book, leases, resv, [])
+    reads = read_pass(store, book, resv, [], feeds_of(store, leases))
     assert reads is not None
     assert reads.index == ["j0", "j1", "j2", "j3"]
     assert reads.changed == {"j1"}, "the assignment marked j1 changed"
@@ -54,11 +54,11 @@ def test_one_round_trip_gives_what_the_reads_one_by_one_give(store: OJSStore) ->
 def test_a_change_after_the_pass_read_is_read_at_the_next_pass(store: OJSStore) -> None:
     book, leases, resv = _fleet(store)
     view = PendingView(book)
-    first = read_pass(store, book, leases, resv, [])
+    first = read_pass(store, book, resv, [], feeds_of(store, leases))
     assert first is not None
     view.records((first.index, first.changed))
     assert book.give_back("j1", str(book.read(["j1"])["j1"]["token"]), "did not fit")
-    second = read_pass(store, book, leases, resv, [])
+    second = read_pass(store, book, resv, [], feeds_of(store, leases))
     assert second is not None and second.changed == {"j1"}
     assert view.records((second.index, second.changed))["j1"]["state"] == "pending"
 
@@ -70,11 +70,12 @@ def test_after_the_server_lost_the_script_the_pass_still_reads_everything(
     again one by one, which loads the script, so the next pass is one round trip again."""
     book, leases, resv = _fleet(store)
     redis_client.script_flush()
-    reads = read_pass(store, book, leases, resv, [])
+    feeds = feeds_of(store, leases)
+    reads = read_pass(store, book, resv, [], feeds)
     assert reads is not None and reads.index
     assert set(reads.workers) == {"a@h", "b@h"} and len(reads.leases) == 1
-    assert redis_client.script_exists(str(store.indexed_sha)) == [True]
-    again = read_pass(store, book, leases, resv, [])
+    assert redis_client.script_exists(feeds.workers.sha, feeds.leases.sha) == [True, True]
+    again = read_pass(store, book, resv, [], feeds)
     assert again is not None and json.dumps(again.leases) == json.dumps(leases.all())
 
 
@@ -82,7 +83,7 @@ def test_a_store_without_lua_reads_one_by_one() -> None:
     store = OJSStore(fakeredis.FakeRedis(), prefix="t")
     book, leases, resv = _fleet(store)
     store.live_workers()  # the first script call finds no Lua and remembers it
-    assert read_pass(store, book, leases, resv, []) is None
+    assert read_pass(store, book, resv, [], feeds_of(store, leases)) is None
 
 
 def test_the_start_times_of_assigned_jobs_ride_the_same_round_trip(store: OJSStore) -> None:
@@ -90,7 +91,7 @@ def test_the_start_times_of_assigned_jobs_ride_the_same_round_trip(store: OJSSto
     book, leases, resv = _fleet(store)
     token = book.assign("j2", "b@h", now=2.0)
     assert token is not None and book.start("j2", token, "b@h") == "ok"
-    reads = read_pass(store, book, leases, resv, ["j1", "j2", "gone"])
+    reads = read_pass(store, book, resv, ["j1", "j2", "gone"], feeds_of(store, leases))
     assert reads is not None
     assert reads.started == book.started_at(["j1", "j2", "gone"])
     assert reads.started["j1"] is None and reads.started["gone"] is None
@@ -112,7 +113,14 @@ def test_the_intakes_admission_rides_ahead_of_the_reads_which_see_the_jobs(
     """The leader's hop from intake to assignment: admission and first reads, one trip."""
     book, leases, resv = _fleet(store)
     acked: list[list[bool]] = []
-    reads = read_pass(store, book, leases, resv, [], _admission(book, ["n1", "j0"], acked))
+    reads = read_pass(
+        store,
+        book,
+        resv,
+        [],
+        feeds_of(store, leases),
+        _admission(book, ["n1", "j0"], acked),
+    )
     assert reads is not None and acked == [[True, False]], "j0 was admitted before"
     assert reads.index == ["j0", "j1", "j2", "j3", "n1"]
     record = book.get("n1")
@@ -128,11 +136,13 @@ def test_an_admission_the_server_has_no_script_for_is_admitted_all_the_same(
     book, leases, resv = _fleet(store)
     redis_client.script_flush()
     acked: list[list[bool]] = []
-    reads = read_pass(store, book, leases, resv, [], _admission(book, ["n2"], acked))
+    reads = read_pass(
+        store, book, resv, [], feeds_of(store, leases), _admission(book, ["n2"], acked)
+    )
     assert reads is not None and acked == [[True]]
     record = book.get("n2")
     assert record is not None and record["state"] == "pending"
-    again = read_pass(store, book, leases, resv, [])
+    again = read_pass(store, book, resv, [], feeds_of(store, leases))
     assert again is not None and "n2" in again.index
 
 
@@ -150,7 +160,7 @@ def test_a_job_started_between_the_first_reads_and_the_record_reads_keeps_its_gp
     ledger = Ledger()
     ledger.assigned("j1", "a@h", Demand(gpus=1), now=1.0)
     ledger.used({"j1": {"state": "assigned", "worker": "a@h"}}, {"a@h": 0.5}, {}, now=1.0)
-    first = read_pass(store, book, leases, resv, ["j1"])
+    first = read_pass(store, book, resv, ["j1"], feeds_of(store, leases))
     assert first is not None and first.started == {"j1": None}, "read before the gate's start"
     assert "j1" in first.changed, "its assignment marked it changed: the view reads it again"
     token = str(book.read(["j1"])["j1"]["token"])

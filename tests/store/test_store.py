@@ -180,6 +180,7 @@ def test_every_key_carries_the_ml_hash_tag(store: OJSStore, redis_client: redis.
     assert {k.decode() for k in redis_client.keys("*")} == {
         f"{base}:worker:w1",
         f"{base}:index:worker",
+        f"{base}:feed:worker",
         f"{base}:pending:t1",
         f"{base}:index:pending",
         f"{base}:held:w1",
