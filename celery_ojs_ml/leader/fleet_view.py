@@ -12,15 +12,14 @@ not show yet.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeGuard
 
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.allocator.sharing import FULL, after, place, share_milli, untouched
-from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
-from celery_ojs_ml.lru import LRU
+from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import FreeCapacity, Hints
 from celery_ojs_ml.scheduler import PendingJob, RunningJob, WorkerState
 from celery_ojs_ml.spec.classes import BANDS
@@ -28,6 +27,8 @@ from celery_ojs_ml.spec.flux_rules import is_int
 from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import job_labels
+
+from .fleet_memo import CapsMemo, RunningMemo
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
 """Message headers -> requirements (the gate's `InboundCheck.requirements`)."""
@@ -85,7 +86,7 @@ def worker_states(
     leases: list[dict[str, Any]],
     used: Mapping[str, Demand],
     parse: Parse,
-    caps_memo: LRU[str, Capabilities],
+    memos: tuple[CapsMemo, RunningMemo],
     checkpoints: Mapping[str, float] | None = None,
     inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
     inflight_shares: Mapping[str, list[MLRequirements]] | None = None,
@@ -100,13 +101,17 @@ def worker_states(
     where the caller has it already.
     """
     shown = allocated_ids(live) if shown is None else shown
-    running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {})
+    caps, jobs = memos
+    running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {}, jobs)
     inflight = _Inflight(used, inflight_labels or {}, inflight_shares or {}, inflight_jobs or {})
-    return [
-        _worker_state(name, entry, _caps(name, entry, caps_memo), running.get(name, []),
+    states = [
+        _worker_state(name, entry, caps.caps(name, entry), running.get(name, []),
                       unseen.get(name, []), inflight)
         for name, entry in sorted(live.items())
     ]  # fmt: skip
+    caps.end_pass()
+    jobs.end_pass()
+    return states
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,15 +122,6 @@ class _Inflight:
     labels: Mapping[str, list[Mapping[str, str]]]
     shares: Mapping[str, list[MLRequirements]]
     jobs: Mapping[str, int]
-
-
-def _caps(name: str, entry: Mapping[str, Any], memo: LRU[str, Capabilities]) -> Capabilities:
-    """A worker's advertised capabilities, parsed once per advertisement."""
-    key = name + json.dumps(entry.get("capabilities"), sort_keys=True, default=str)
-    caps = memo.get(key)
-    if caps is None:
-        caps = memo[key] = parse_capabilities(entry["capabilities"], worker_id=name)
-    return caps
 
 
 def _worker_state(
@@ -209,6 +205,7 @@ def _lease_jobs(
     shown: Mapping[str, frozenset[str]],
     parse: Parse,
     checkpoints: Mapping[str, float],
+    memo: RunningMemo,
 ) -> tuple[dict[str, list[RunningJob]], dict[str, list[RunningJob]]]:
     """The running jobs of each worker, from the leases; and, apart, those started under
     a grant since its last heartbeat (`unseen`): no assignment of the scheduler's counts
@@ -217,7 +214,8 @@ def _lease_jobs(
     running: dict[str, list[RunningJob]] = {}
     unseen: dict[str, list[RunningJob]] = {}
     for lease in leases:
-        job = _running(lease, parse, checkpoints.get(str(lease.get("task_id"))))
+        at = checkpoints.get(str(lease.get("task_id")))
+        job = memo.running(lease, at, partial(_running, lease, parse, at))
         if job is None:
             continue
         worker = str(lease.get("worker"))

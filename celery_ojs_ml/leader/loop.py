@@ -245,6 +245,11 @@ class FleetScheduler:
         self._dirty = False
         self.lane.forget()  # kept again only where these reads find the fleet quiet
         state = PassState(time.time())
+        with gc_paused():
+            return self._pass(state)
+
+    def _pass(self, state: PassState) -> Decision:
+        """`schedule_once` with the cyclic collector paused (`leader/gc_pause.py`)."""
         try:
             if not self.inputs.first_reads(state):
                 if state.quiet:
@@ -276,11 +281,10 @@ class FleetScheduler:
         tended = self.reservations.tend(state.now) if state.reserving else {}
         held = pools_of(tended, state.live, self.parser.check.parse, state.now)
         began = time.monotonic()
-        with gc_paused():
-            state.decision = schedule(
-                waiting, [*state.fleet, *away], state.now, policy, memo=self.memo,
-                inflight=state.inflight, pools=held, usage=state.usage,
-            )  # fmt: skip
+        state.decision = schedule(
+            waiting, [*state.fleet, *away], state.now, policy, memo=self.memo,
+            inflight=state.inflight, pools=held, usage=state.usage,
+        )  # fmt: skip
         inputs.decided(time.monotonic() - began)
         state.jobs = {j.task_id: j for j in waiting}
 

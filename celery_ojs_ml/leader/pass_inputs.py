@@ -19,7 +19,6 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, Protocol
 
-from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.checkpoint.records import last_checkpoints
 from celery_ojs_ml.lru import LRU
 from celery_ojs_ml.scheduler import PendingJob, Policy, WorkerState, in_order
@@ -29,6 +28,7 @@ from celery_ojs_ml.store.pending import ASSIGNED, PendingBook
 from celery_ojs_ml.store.registry import OJSStore
 from celery_ojs_ml.store.reservations import ReservationBook
 
+from .fleet_memo import fresh_memos
 from .fleet_view import allocated_ids, pending_job, worker_states
 from .ledger import Ledger
 from .parsing import Parser
@@ -89,7 +89,8 @@ class PassInputs:
         self.intake = intake
         self.feeds = feeds_of(store, self.leases)
         """The live workers' heartbeats and the leases, read again only where they changed."""
-        self.caps: LRU[str, Capabilities] = LRU(4096)
+        self.memos = fresh_memos()
+        """Capabilities and running jobs kept from pass to pass (`fleet_memo`)."""
         self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
         """Parsed waiting jobs by (task id, admitted at, priority) (`job`)."""
         self._starts: dict[str, float | None] = {}
@@ -271,7 +272,7 @@ class PassInputs:
             leases,
             used,
             self.parser.running,
-            self.caps,
+            self.memos,
             checkpoint_times(self.store, leases),
             self.ledger.labels(),
             self.ledger.shares(),

@@ -34,6 +34,13 @@ def _score(kid: int, ask: Ask, group: Group, shape: Shape) -> PlacementScore | N
     return None if gpus == 1 else PlacementScore(-abs(gpus - 2 - kid), 0, 0, 0, 0, 0)
 
 
+class _Scorer:
+    """`_score` as a bound method: `BestBuckets` holds its view's method weakly."""
+
+    def score(self, kid: int, ask: Ask, group: Group, shape: Shape) -> PlacementScore | None:
+        return _score(kid, ask, group, shape)
+
+
 def _afresh(kid: int, group: Group) -> tuple[Key | None, set[int]]:
     ties: Ties[Key, Candidate] = Ties()
     for shape, members in group.buckets.items():
@@ -47,7 +54,8 @@ def _afresh(kid: int, group: Group) -> tuple[Key | None, set[int]]:
 def test_best_buckets_follow_buckets_opening_and_closing(seed: int) -> None:
     rng = random.Random(seed)
     group = Group(0, Capabilities(), "", frozenset({"celery"}))
-    best = BestBuckets(_score)
+    scorer = _Scorer()
+    best = BestBuckets(scorer.score)
     shapes = [_shape(n) for n in range(12)]
     for _ in range(300):
         shape = rng.choice(shapes)
@@ -136,3 +144,24 @@ def test_the_reservation_holder_keeps_its_own_message() -> None:
     assert [r.task_id for r in found.reservations] == ["a"]
     reasons = {t: a.reason_pending for t, a in found.annotations.items()}
     assert "reserved for a" in reasons["b"] and "reserved" not in reasons["a"]
+
+
+def test_a_pass_leaves_no_reference_cycle_for_the_collector() -> None:
+    """A pass's view is freed by reference counting as the pass ends: a cycle through it
+    (the view's bound method in its own `BestBuckets`) left every worker state, slot and
+    timeline of every pass to the cyclic collector, 0.4 s a pass at 10,000 workers."""
+    import gc
+
+    from tests.scheduler.helpers import decide, job, running, worker
+
+    fleet = [worker(f"w{i}", jobs=[running(f"r{i}", gpu_count=2, limit=3600.0)])
+             for i in range(20)]  # fmt: skip
+    jobs = [job(f"j{i}", limit=600.0, gpu_count=1 + i % 8) for i in range(200)]
+    gc.collect()
+    gc.disable()
+    try:
+        decision = decide(jobs, fleet)
+        assert 0 < len(decision.assignments) < len(jobs), "the pass placed some, left some"
+        assert gc.collect() == 0, "no cyclic garbage left by the pass"
+    finally:
+        gc.enable()

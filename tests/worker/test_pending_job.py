@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from celery_ojs_ml.leader.fleet_memo import fresh_memos
 from celery_ojs_ml.leader.fleet_view import pending_job
 from celery_ojs_ml.spec.normalize import normalize
 
@@ -48,14 +49,13 @@ def test_the_heartbeats_free_island_reaches_the_schedulers_worker_state() -> Non
     from celery_ojs_ml.allocator.model import Demand
     from celery_ojs_ml.capabilities import resolve_capabilities
     from celery_ojs_ml.leader.fleet_view import worker_states
-    from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
     snapshot = {"free": {"gpu_count": 3, "cpu_cores": 8, "memory_gb": 64}, "nvlink_free": 3}
     live = {"w": {"capabilities": caps, "free": snapshot, "info": {"queues": ["celery"]}}}
-    (state,) = worker_states(live, [], {}, _parse, LRU(8))
+    (state,) = worker_states(live, [], {}, _parse, fresh_memos())
     assert state.nvlink_free == 3 and state.free.gpus == 3
-    (busier,) = worker_states(live, [], {"w": Demand(gpus=2)}, _parse, LRU(8))
+    (busier,) = worker_states(live, [], {"w": Demand(gpus=2)}, _parse, fresh_memos())
     assert busier.nvlink_free == 1 and busier.free.gpus == 1
 
 
@@ -65,16 +65,15 @@ def test_a_workers_free_processes_are_its_pools_less_its_allocations_and_the_led
     pool's queue; none reported: not counted."""
     from celery_ojs_ml.capabilities import resolve_capabilities
     from celery_ojs_ml.leader.fleet_view import processes_free, worker_states
-    from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
     allocations = [{"task_id": "a"}, {"task_id": "b"}]
     snapshot = {"free": {"gpu_count": 2}, "allocations": allocations}
     info = {"queues": ["celery"], "processes": 3}
     live = {"w": {"capabilities": caps, "free": snapshot, "info": info}}
-    (state,) = worker_states(live, [], {}, _parse, LRU(8))
+    (state,) = worker_states(live, [], {}, _parse, fresh_memos())
     assert state.free.processes == 1
-    (busier,) = worker_states(live, [], {}, _parse, LRU(8), inflight_jobs={"w": 2})
+    (busier,) = worker_states(live, [], {}, _parse, fresh_memos(), inflight_jobs={"w": 2})
     assert busier.free.processes == -1, "one of them will wait in the pool's queue"
     for foreign in (None, True, "3", 0, -1):
         assert processes_free({"info": {"processes": foreign}, "free": snapshot}, 0) is None
@@ -115,7 +114,6 @@ def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_has_ended
     the job's start, or one that still shows it allocated, keeps it running."""
     from celery_ojs_ml.capabilities import resolve_capabilities
     from celery_ojs_ml.leader.fleet_view import worker_states
-    from celery_ojs_ml.lru import LRU
     from celery_ojs_ml.scheduler.fair import held_gpus
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
@@ -128,7 +126,7 @@ def test_a_lease_whose_job_the_workers_later_heartbeat_no_longer_shows_has_ended
     def running(ts: float, allocated: list[str]) -> set[str]:
         snapshot = {"free": {"gpu_count": 3}, "allocations": [{"task_id": t} for t in allocated]}
         live = {"w": {"capabilities": caps, "free": snapshot, "ts": ts, "info": {}}}
-        (state,) = worker_states(live, leases, {}, _parse, LRU(8))
+        (state,) = worker_states(live, leases, {}, _parse, fresh_memos())
         assert {r.task_id for r in state.running} == {"ended", "runs"}
         assert held_gpus([state]) == {"celery": len([r for r in state.running if not r.ended])}
         return {r.task_id for r in state.running if not r.ended}
@@ -146,7 +144,6 @@ def test_jobs_a_holder_started_under_a_grant_since_its_heartbeat_take_its_free_c
     grant (the ledger counts those), is not taken twice."""
     from celery_ojs_ml.capabilities import resolve_capabilities
     from celery_ojs_ml.leader.fleet_view import worker_states
-    from celery_ojs_ml.lru import LRU
 
     caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
     snapshot = {
@@ -162,9 +159,11 @@ def test_jobs_a_holder_started_under_a_grant_since_its_heartbeat_take_its_free_c
             "headers": headers
         }
 
-    (seen,) = worker_states(live, [lease("a", True), lease("b", True)], {}, _parse, LRU(8))
+    (seen,) = worker_states(live, [lease("a", True), lease("b", True)], {}, _parse, fresh_memos())
     assert (seen.free.gpus, seen.nvlink_free, seen.free.processes) == (2, 2, 2)
-    (late,) = worker_states(live, [lease("a", True), lease("c", True)], {}, _parse, LRU(8))
+    (late,) = worker_states(live, [lease("a", True), lease("c", True)], {}, _parse, fresh_memos())
     assert (late.free.gpus, late.nvlink_free, late.free.processes) == (1, 1, 1)
-    (assigned,) = worker_states(live, [lease("a", True), lease("c", False)], {}, _parse, LRU(8))
+    (assigned,) = worker_states(
+        live, [lease("a", True), lease("c", False)], {}, _parse, fresh_memos()
+    )
     assert (assigned.free.gpus, assigned.nvlink_free) == (2, 2)

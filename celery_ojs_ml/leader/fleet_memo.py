@@ -1,0 +1,99 @@
+"""What the leader's fleet view keeps from pass to pass: parsed capabilities and the
+running jobs of leases.
+
+Key decision: the change feeds (`store.feed`) hand the leader the same parsed
+objects pass after pass until a heartbeat or lease changes, so "unchanged" is an
+identity check (`is`), with equality as the fallback for a record read afresh (no
+Lua on the store, a full read). At 10,000 workers and 20,000 leases rebuilding both
+every pass cost about 0.6 s of a pass; kept, only what changed is parsed again. Each
+memo holds the members of the last pass only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
+from celery_ojs_ml.scheduler import RunningJob
+
+T = TypeVar("T")
+
+
+class _Memo(Generic[T]):
+    """Name -> (the source it was made from, what was made), for the last pass's names."""
+
+    def __init__(self) -> None:
+        self._by: dict[str, tuple[Any, T]] = {}
+        self._seen: set[str] = set()
+
+    def get(self, name: str, source: Any, make: Callable[[], T]) -> T:
+        """What `make` made from `source` when it last saw the same (or an equal) one."""
+        self._seen.add(name)
+        kept = self._by.get(name)
+        if kept is not None and (kept[0] is source or kept[0] == source):
+            return kept[1]
+        made = make()
+        self._by[name] = (source, made)
+        return made
+
+    def end_pass(self) -> None:
+        """Forget the names this pass did not ask for (workers gone, jobs ended)."""
+        if len(self._by) > len(self._seen):
+            self._by = {n: v for n, v in self._by.items() if n in self._seen}
+        self._seen = set()
+
+
+class CapsMemo(_Memo[Capabilities]):
+    """Each worker's advertised capabilities, parsed once per advertised document."""
+
+    def caps(self, name: str, entry: Mapping[str, Any]) -> Capabilities:
+        doc = entry["capabilities"]
+        return self.get(name, doc, lambda: parse_capabilities(doc, worker_id=name))
+
+
+class RunningMemo:
+    """Each lease's running job, made once per lease value and checkpoint time."""
+
+    def __init__(self) -> None:
+        self._by: dict[str, tuple[Any, ...]] = {}
+        self._seen: set[str] = set()
+
+    def running(
+        self,
+        lease: Mapping[str, Any],
+        checkpoint_at: float | None,
+        make: Callable[[], RunningJob | None],
+    ) -> RunningJob | None:
+        """The job `make` made when last asked for the same lease (its headers, worker,
+        start, devices and share) and checkpoint time."""
+        task_id = str(lease.get("task_id"))
+        self._seen.add(task_id)
+        source = (lease.get("headers"), lease.get("worker"), lease.get("started_at"),
+                  lease.get("devices"), lease.get("gpu_milli"), checkpoint_at)  # fmt: skip
+        kept = self._by.get(task_id)
+        if kept is not None and _same(kept[0], source):
+            return kept[1]  # type: ignore[no-any-return]
+        job = make()
+        self._by[task_id] = (source, job)
+        return job
+
+    def end_pass(self) -> None:
+        """Forget the leases this pass did not ask for (jobs ended)."""
+        if len(self._by) > len(self._seen):
+            self._by = {n: v for n, v in self._by.items() if n in self._seen}
+        self._seen = set()
+
+
+def fresh_memos() -> tuple[CapsMemo, RunningMemo]:
+    """Empty memos for `fleet_view.worker_states`."""
+    return CapsMemo(), RunningMemo()
+
+
+def _same(kept: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Members the same object (the feed's kept values) or, read afresh, equal; a loop,
+    not `all()` over a generator: 20,000 leases a pass."""
+    for a, b in zip(kept, now, strict=True):  # noqa: SIM110
+        if a is not b and a != b:
+            return False
+    return True

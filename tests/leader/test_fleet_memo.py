@@ -1,0 +1,52 @@
+"""`leader.fleet_memo`: what the fleet view keeps between passes is made again exactly
+when its source changed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_ojs_ml.leader.fleet_memo import CapsMemo, RunningMemo
+from celery_ojs_ml.scheduler import RunningJob
+from celery_ojs_ml.spec.normalize import normalize
+
+_DOC = {"capabilities": {"accelerator": "gpu", "gpu": {"count": 4, "type": "nvidia-a100"}}}
+
+
+def _made(log: list[str], name: str) -> RunningJob:
+    log.append(name)
+    req = normalize({"ext_ml_gpu_count": 1}).requirements
+    return RunningJob.of(name, req, 1.0)
+
+
+def test_capabilities_are_parsed_again_only_when_the_document_changes() -> None:
+    memo = CapsMemo()
+    first = memo.caps("w@h", {"capabilities": _DOC})
+    assert memo.caps("w@h", {"capabilities": _DOC}) is first, "the same document object"
+    copy: dict[str, Any] = {"capabilities": {**_DOC["capabilities"]}}
+    assert memo.caps("w@h", {"capabilities": {**_DOC, **copy}}) is first, "an equal one"
+    other = {"capabilities": {"accelerator": "gpu", "gpu": {"count": 8, "type": "nvidia-a100"}}}
+    changed = memo.caps("w@h", {"capabilities": other})
+    assert changed is not first and changed.gpu_count == 8
+
+
+def test_a_worker_not_seen_in_a_pass_is_forgotten() -> None:
+    memo = CapsMemo()
+    first = memo.caps("w@h", {"capabilities": _DOC})
+    memo.end_pass()
+    memo.caps("v@h", {"capabilities": _DOC})
+    memo.end_pass()
+    assert memo.caps("w@h", {"capabilities": _DOC}) is not first
+
+
+def test_a_running_job_is_made_again_when_its_lease_or_checkpoint_changes() -> None:
+    memo, log = RunningMemo(), []
+    headers = {"ext_ml_gpu_count": 1}
+    lease = {"task_id": "t", "worker": "w@h", "started_at": 1.0, "devices": [0], "headers": headers}
+    job = memo.running(lease, None, lambda: _made(log, "a"))
+    assert memo.running({**lease}, None, lambda: _made(log, "b")) is job
+    assert memo.running(lease, 5.0, lambda: _made(log, "c")) is not job, "a checkpoint"
+    moved = {**lease, "worker": "v@h"}
+    memo.running(moved, 5.0, lambda: _made(log, "d"))
+    restarted = {**moved, "started_at": 2.0}
+    memo.running(restarted, 5.0, lambda: _made(log, "e"))
+    assert log == ["a", "c", "d", "e"]
