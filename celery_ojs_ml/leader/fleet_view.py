@@ -28,7 +28,7 @@ from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import job_labels
 
-from .fleet_memo import CapsMemo, RunningMemo
+from .fleet_memo import Memos, RunningMemo, StateMemo
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
 """Message headers -> requirements (the gate's `InboundCheck.requirements`)."""
@@ -86,7 +86,7 @@ def worker_states(
     leases: list[dict[str, Any]],
     used: Mapping[str, Demand],
     parse: Parse,
-    memos: tuple[CapsMemo, RunningMemo],
+    memos: Memos,
     checkpoints: Mapping[str, float] | None = None,
     inflight_labels: Mapping[str, list[Mapping[str, str]]] | None = None,
     inflight_shares: Mapping[str, list[MLRequirements]] | None = None,
@@ -101,17 +101,35 @@ def worker_states(
     where the caller has it already.
     """
     shown = allocated_ids(live) if shown is None else shown
-    caps, jobs = memos
+    caps, jobs, states = memos
     running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {}, jobs)
     inflight = _Inflight(used, inflight_labels or {}, inflight_shares or {}, inflight_jobs or {})
-    states = [
-        _worker_state(name, entry, caps.caps(name, entry), running.get(name, []),
-                      unseen.get(name, []), inflight)
+    found = [
+        _kept_state(states, name, entry, caps.caps(name, entry), running.get(name, []),
+                    unseen.get(name, []), inflight)
         for name, entry in sorted(live.items())
     ]  # fmt: skip
-    caps.end_pass()
-    jobs.end_pass()
-    return states
+    for memo in memos:
+        memo.end_pass()
+    return found
+
+
+def _kept_state(
+    memo: StateMemo,
+    name: str,
+    entry: Mapping[str, Any],
+    caps: Capabilities,
+    running: list[RunningJob],
+    late: list[RunningJob],
+    inflight: _Inflight,
+) -> WorkerState:
+    """`_worker_state`, made again only when something it reads changed."""
+    source = (entry.get("free"), entry.get("info"), caps, tuple(running), tuple(late),
+              inflight.used.get(name), inflight.labels.get(name), inflight.shares.get(name),
+              inflight.jobs.get(name))  # fmt: skip
+    return memo.state(
+        name, source, partial(_worker_state, name, entry, caps, running, late, inflight)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,3 +50,29 @@ def test_a_running_job_is_made_again_when_its_lease_or_checkpoint_changes() -> N
     restarted = {**moved, "started_at": 2.0}
     memo.running(restarted, 5.0, lambda: _made(log, "e"))
     assert log == ["a", "c", "d", "e"]
+
+
+def test_a_workers_state_is_kept_while_nothing_it_reads_changes() -> None:
+    """Same heartbeat content and no assignment since: the same `WorkerState`; the ledger
+    assigning there, or a new heartbeat, makes it again, with the new free capacity."""
+    from celery_ojs_ml.allocator.model import Demand
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.leader.fleet_memo import fresh_memos
+    from celery_ojs_ml.leader.fleet_view import worker_states
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    free = {"free": {"gpu_count": 3, "cpu_cores": 8, "memory_gb": 64}}
+    beat = {"capabilities": caps, "free": free, "info": {"queues": ["celery"]}, "ts": 1.0}
+    memos = fresh_memos()
+
+    def parse(headers: Any) -> Any:
+        return normalize(dict(headers)).requirements
+
+    (first,) = worker_states({"w": beat}, [], {}, parse, memos)
+    (again,) = worker_states({"w": {**beat, "ts": 2.0}}, [], {}, parse, memos)
+    assert again is first, "a refresh that changed nothing"
+    (assigned,) = worker_states({"w": beat}, [], {"w": Demand(gpus=2)}, parse, memos)
+    assert assigned is not first and assigned.free.gpus == 1
+    fewer = {"free": {"gpu_count": 1, "cpu_cores": 8, "memory_gb": 64}}
+    (changed,) = worker_states({"w": {**beat, "free": fewer}}, [], {}, parse, memos)
+    assert changed.free.gpus == 1
