@@ -4,10 +4,22 @@ Each fleet size gets its own private `redis-server` (or `--redis-url`, under a f
 prefix). `bench.metrics.populate` writes `--workers` advertised 8-GPU workers, each
 running two leased 2-GPU jobs; `--jobs` waiting 2-GPU jobs, made as `populate` makes
 them but with the class id the router gives them (the leader refuses `populate`'s
-placeholder), are admitted through `PendingBook.admit_many`. A real `FleetScheduler` of a
-Celery app with `OJSML(app)` on that Redis (broker and store) takes the lock and runs
-`--passes` passes of `schedule_once()`; the first after `hello` is full (it decides every
-waiting job), the others quick (the first `ojs_ml_queue_depth` jobs of the window).
+placeholder), are admitted through `PendingBook.admit_many` (`leader_pass_fleet`). A real
+`FleetScheduler` of a Celery app with `OJSML(app)` on that Redis (broker and store) takes
+the lock and runs `--passes` passes of `schedule_once()`; the first after `hello` is full
+(it decides every waiting job and fills every worker, two jobs each), the others quick
+(the first `ojs_ml_queue_depth` jobs of the window). Two scenarios, named in the results'
+heading (and `scenario` in the JSON):
+
+* steady     (`--start`, the default) after each pass the workers' side starts what it
+             assigned, as a live fleet's gates do within milliseconds of the delivery
+             (`leader_pass_fleet.Workers.start`: record started, lease written, GPUs
+             advertised allocated). The later passes see a full fleet, the jobs not
+             started waiting, and no assignment in flight: what a live leader sees.
+* unstarted  (`--no-start`) no assignment ever starts: every later pass carries the
+             first pass's (20,000 at 10,000 workers) in the leader's ledger, its pending
+             records and its in-flight accounting. A pessimistic case, not a steady state.
+
 Each phase is timed by wrapping the leader's bound methods:
 
 * first_reads  `PassInputs.first_reads`: the pending index and change marks, whether
@@ -17,12 +29,13 @@ Each phase is timed by wrapping the leader's bound methods:
 * carry_out    `FleetScheduler._carry_out`: deliveries, notes, prefetch;
 * other        the rest of the pass: take-backs, waiting jobs, holds, fair share,
                reservations, grants;
-* pass         the whole `schedule_once()`.
+* pass         the whole `schedule_once()`; the starts come after it, untimed.
 
 Between passes the workers' side (an `OJSStore` of its own, which remembers what each
-worker sent) re-advertises `--changed` (1 %) of the workers with another `free` snapshot
-and writes their leases again, and refreshes `--refreshed` (10 %) unchanged, their
-leases' deadlines too: only the changed values go to the feeds.
+worker sent) re-advertises `--changed` (1 %) of the workers with another snapshot (one
+job more; on a full worker, its newest job swapped for another) and writes their leases
+again, and refreshes `--refreshed` (10 %) unchanged, their leases' deadlines too: only
+the changed values go to the feeds.
 
 Baseline: the reads each pass made before the feeds, `store.live_workers()` and
 `LeaseBook.all()` (every heartbeat and every lease read and parsed), timed side by side
@@ -30,16 +43,20 @@ with the leader's feed reads (`inputs.feeds`) over `--rounds` rounds of the same
 `ratio` is old / feed, of the medians. Both must return the same workers and leases (a
 heartbeat's `ts` and a lease's `deadline` within 2 ms: the feed derives them from the
 index scores), or the run stops with the difference. `rss_mb` is the process's resident
-set after the size's passes (the sizes share one process, smallest first).
+set after the size's passes (the sizes share one process, smallest first); `ledger` the
+leader's in-flight assignments after them.
 
 The cyclic GC stays on, as in a leader process: only the core runs with it paused
 (`leader/gc_pause.py`), so a collection may land in any other phase. The assignment
-timeout and the full-pass interval are set to an hour: no worker starts the assigned
-jobs, which would otherwise be taken back, and no quick pass turns full.
+timeout and the full-pass interval are set to an hour: an unstarted assignment is not
+taken back, and no quick pass turns full.
 
     .venv/bin/python bench/leader_pass.py [--workers 100 1000 10000] [--jobs 100000]
-        [--passes 11] [--rounds 10] [--json] [--out bench/results/leader_pass]
-        [--redis-url URL]
+        [--passes 11] [--rounds 10] [--start | --no-start] [--json]
+        [--out bench/results/leader_pass] [--redis-url URL]
+
+`--out` writes `leader_pass.json` and `.md` (steady) or `leader_pass_unstarted.json`
+and `.md` (unstarted).
 """
 
 from __future__ import annotations
@@ -47,11 +64,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,94 +79,20 @@ from celery import Celery
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.metrics import _pending, populate, private_redis  # noqa: E402
+from bench.leader_pass_fleet import HOUR_S, Workers, fleet  # noqa: E402
+from bench.metrics import private_redis  # noqa: E402
 from celery_ojs_ml import OJSML  # noqa: E402
 from celery_ojs_ml.leader.loop import FleetScheduler  # noqa: E402
-from celery_ojs_ml.spec.classes import class_id  # noqa: E402
-from celery_ojs_ml.spec.normalize import normalize  # noqa: E402
 from celery_ojs_ml.store.leases import LeaseBook  # noqa: E402
-from celery_ojs_ml.store.pending import PendingBook  # noqa: E402
-from celery_ojs_ml.store.registry import OJSStore  # noqa: E402
-from celery_ojs_ml.wire import headers as h  # noqa: E402
 
 PHASES = ("first_reads", "fleet", "core", "carry_out", "other", "pass")
-HOUR_S = 3600.0
-"""Heartbeats and leases outlive the run, as `populate` writes them."""
 STAMP_TOLERANCE_S = 0.002
 """A feed read's heartbeat `ts` and lease `deadline` come from index scores in ms."""
-ADMIT_BATCH = 5000
-JOB_CLASS = class_id(
-    normalize({"ext_ml_gpu_count": 2, "ext_ml_gpu_type": "nvidia-a100"}).requirements
-)
-"""The class the router gives `populate`'s jobs, whose placeholder class the leader refuses."""
-
-
-def admit(store: OJSStore, jobs: int) -> None:
-    """`jobs` waiting 2-GPU jobs as `populate` makes them, with the class their headers ask."""
-    book = PendingBook(store)
-    for start in range(0, jobs, ADMIT_BATCH):
-        batch = [_pending(i) for i in range(start, min(jobs, start + ADMIT_BATCH))]
-        for _, _, msg in batch:
-            msg["headers"][h.CLASS] = JOB_CLASS
-        book.admit_many(batch)
-
-
-@dataclass
-class Workers:
-    """The workers' side of the fleet: their own store and what each advertises."""
-
-    store: OJSStore
-    beats: dict[str, dict[str, Any]]
-    leases: dict[str, list[dict[str, Any]]]
-    shares: tuple[float, float]
-    """(changed, refreshed) share of the workers per tick."""
-    rng: random.Random = field(default_factory=lambda: random.Random(7))
-    busier: set[str] = field(default_factory=set)
-    """Workers now advertising `_busier` snapshots."""
-
-    @classmethod
-    def of(cls, store: OJSStore, changed: float, refreshed: float) -> Workers:
-        """The fleet `populate` wrote, read back as each worker last sent it."""
-        beats = {
-            name: {k: entry[k] for k in ("capabilities", "free", "info")}
-            for name, entry in store.live_workers().items()
-        }
-        leases: dict[str, list[dict[str, Any]]] = {}
-        for lease in LeaseBook(store, HOUR_S).all():
-            leases.setdefault(str(lease["worker"]), []).append(lease)
-        return cls(store, beats, leases, (changed, refreshed))
-
-    def tick(self) -> None:
-        """Heartbeats and lease refreshes between two passes (see module doc)."""
-        names = list(self.beats)
-        changes = max(1, round(self.shares[0] * len(names)))
-        refreshes = round(self.shares[1] * len(names))
-        picked = self.rng.sample(names, min(len(names), changes + refreshes))
-        changed, refreshed = picked[:changes], picked[changes:]
-        self.busier.symmetric_difference_update(changed)
-        with self.store.client.pipeline(transaction=False) as pipe:
-            for name in picked:
-                beat = self.beats[name]
-                free = _busier(beat["free"], name) if name in self.busier else beat["free"]
-                for command in self.store.advertise_commands(
-                    name, beat["capabilities"], free, ttl_s=HOUR_S, info=beat["info"]
-                ):
-                    pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            pipe.execute()
-        book = LeaseBook(self.store, HOUR_S)
-        book.refresh({x["task_id"]: x["token"] for n in refreshed for x in self.leases[n]})
-        again = [book.new_lease(x, x["token"])[1] for n in changed for x in self.leases[n]]
-        book.write_batch(again, [])
-
-
-def _busier(free: dict[str, Any], name: str) -> dict[str, Any]:
-    """`free` with one more 2-GPU job, on devices 4 and 5: a change the feed must carry."""
-    task_id = f"{name}/extra"
-    extra = {**free["allocations"][0], "task_id": task_id, "devices": [4, 5]}
-    counts = {**free["free"], "gpu_count": free["free"]["gpu_count"] - 2}
-    devices = {**free["devices"], "4": task_id, "5": task_id}
-    allocations = [*free["allocations"], extra]
-    return {**free, "allocations": allocations, "free": counts, "devices": devices}
+SCENARIOS = {
+    True: ("steady", "leader_pass", "each pass's assignments started before the next"),
+    False: ("unstarted", "leader_pass_unstarted", "no assignment ever started"),
+}
+"""`--start` -> (scenario, results file stem, what it means)."""
 
 
 class Phases:
@@ -212,14 +153,25 @@ def leading(url: str, prefix: str) -> Iterator[FleetScheduler]:
         app.close()
 
 
-def run_passes(
-    leader: FleetScheduler, workers: Workers, passes: int
-) -> tuple[dict[str, list[dict[str, float]]], int]:
-    """Each pass's phase times by kind ("full", "quick"), and the first pass's assignments."""
+@dataclass
+class Passes:
+    """What `run_passes` saw: phase times by kind ("full", "quick"), jobs assigned by each
+    pass, and how many the workers started, in how many seconds."""
+
+    kinds: dict[str, list[dict[str, float]]] = field(
+        default_factory=lambda: {"full": [], "quick": []}
+    )
+    assigned: list[int] = field(default_factory=list)
+    started: int = 0
+    start_s: float = 0.0
+
+
+def run_passes(leader: FleetScheduler, workers: Workers, passes: int, start: bool) -> Passes:
+    """`passes` timed passes with the churn between them; with `start`, the workers start
+    each pass's assignments after it."""
     phases = Phases()
     phases.instrument(leader)
-    kinds: dict[str, list[dict[str, float]]] = {"full": [], "quick": []}
-    assigned = 0
+    seen = Passes()
     for i in range(passes):
         if i:
             workers.tick()
@@ -228,13 +180,16 @@ def run_passes(
         decision = leader.schedule_once()
         total = time.perf_counter() - began
         leader.link.settle()
-        if i == 0:
-            assigned = len(decision.assignments)
+        seen.assigned.append(len(decision.assignments))
+        if start:
+            began = time.perf_counter()
+            seen.started += workers.start(decision.assignments)
+            seen.start_s += time.perf_counter() - began
         row = {p: phases.now.get(p, 0.0) for p in PHASES[:4]}
         row["other"] = total - sum(row.values())
         row["pass"] = total
-        kinds["full" if leader.inputs.deciding_all else "quick"].append(row)
-    return kinds, assigned
+        seen.kinds["full" if leader.inputs.deciding_all else "quick"].append(row)
+    return seen
 
 
 def same(full: dict[str, Any], fed: dict[str, Any], stamp: str, what: str) -> None:
@@ -291,40 +246,32 @@ def spread(seconds: list[float]) -> dict[str, float]:
 
 def run_size(url: str, workers: int, jobs: int, args: argparse.Namespace) -> dict[str, Any]:
     """One fleet size on the Redis at `url`, under a fresh key prefix (removed after)."""
-    prefix = f"lp-{uuid.uuid4().hex[:6]}"
-    side = OJSStore.from_url(url, prefix=prefix)
-    try:
-        began = time.perf_counter()
-        populate(side, workers, 0)
-        admit(side, jobs)
-        PendingBook(side).resign("leader@fleet")  # `populate`'s stand-in leader
+    began = time.perf_counter()
+    with fleet(url, workers, jobs, args.changed, args.refreshed) as side:
         populated_s = time.perf_counter() - began
-        fleet = Workers.of(side, args.changed, args.refreshed)
-        with leading(url, prefix) as leader:
-            kinds, assigned = run_passes(leader, fleet, args.passes)
+        with leading(url, side.prefix) as leader:
+            seen = run_passes(leader, side, args.passes, args.start)
             rss_mb = psutil.Process(os.getpid()).memory_info().rss / 2**20
-            reads = compare_reads(leader, fleet, args.rounds)
-    finally:
-        keys = list(side.client.scan_iter(match=f"{prefix}*", count=10_000))
-        for start in range(0, len(keys), 10_000):  # a shared `--redis-url` outlives the run
-            side.client.unlink(*keys[start : start + 10_000])
-        side.close()
+            ledger = len(leader.ledger.entries)
+            reads = compare_reads(leader, side, args.rounds)
     passes = {
         kind: {"count": len(rows), **{p: spread([r[p] for r in rows]) for p in PHASES}}
-        for kind, rows in kinds.items()
+        for kind, rows in seen.kinds.items()
         if rows
     }
     return {
         "workers": workers, "jobs": jobs, "populate_s": round(populated_s, 2),
-        "first_pass_assigned": assigned, "passes": passes, "reads": reads,
-        "rss_mb": round(rss_mb, 1),
+        "first_pass_assigned": seen.assigned[0], "later_assigned": sum(seen.assigned[1:]),
+        "started": seen.started, "start_s": round(seen.start_s, 2), "ledger": ledger,
+        "passes": passes, "reads": reads, "rss_mb": round(rss_mb, 1),
     }  # fmt: skip
 
 
 def table(found: dict[str, Any]) -> list[str]:
     """The results as markdown tables (ms: median / max)."""
     lines = [
-        f"leader pass: {found['jobs']} waiting jobs, 2 leased jobs per worker, "
+        f"leader pass, {found['scenario']} ({SCENARIOS[found['start']][2]}): "
+        f"{found['jobs']} waiting jobs, 2 leased jobs per worker, "
         f"{found['changed']:.0%} of workers changed and {found['refreshed']:.0%} "
         f"refreshed between passes; ms, median / max; run {found['run_s']:.0f} s",
         "",
@@ -338,19 +285,25 @@ def table(found: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "| workers | leases | old reads | feed reads | old/feed | re-read workers / leases "
-        "| populate s | first pass assigned | RSS MB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| populate s | assigned first / later | started | ledger | RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for size in found["sizes"]:
-        r = size["reads"]
-        lines.append(
-            f"| {size['workers']} | {r['leases']} "
-            f"| {r['old_ms']['median']:.1f} / {r['old_ms']['max']:.1f} "
-            f"| {r['feed_ms']['median']:.1f} / {r['feed_ms']['max']:.1f} | {r['ratio']:.1f} "
-            f"| {r['reread_workers']:g} / {r['reread_leases']:g} | {size['populate_s']:.1f} "
-            f"| {size['first_pass_assigned']} | {size['rss_mb']:.0f} |"
-        )
+    lines += [_reads_row(size) for size in found["sizes"]]
     return lines
+
+
+def _reads_row(size: dict[str, Any]) -> str:
+    r = size["reads"]
+    started = f"{size['started']} in {size['start_s']:.1f} s" if size["started"] else "0"
+    return (
+        f"| {size['workers']} | {r['leases']} "
+        f"| {r['old_ms']['median']:.1f} / {r['old_ms']['max']:.1f} "
+        f"| {r['feed_ms']['median']:.1f} / {r['feed_ms']['max']:.1f} | {r['ratio']:.1f} "
+        f"| {r['reread_workers']:g} / {r['reread_leases']:g} | {size['populate_s']:.1f} "
+        f"| {size['first_pass_assigned']} / {size['later_assigned']} "
+        f"| {started} "
+        f"| {size['ledger']} | {size['rss_mb']:.0f} |"
+    )
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -362,8 +315,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=10, help="rounds of old/feed reads (10)")
     parser.add_argument("--changed", type=float, default=0.01, help="share changed per tick")
     parser.add_argument("--refreshed", type=float, default=0.1, help="share refreshed per tick")
+    parser.add_argument(
+        "--start",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start each pass's assignments before the next (steady; default) or never",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--out", metavar="DIR", help="write leader_pass.json and .md there")
+    parser.add_argument("--out", metavar="DIR", help="write the results' .json and .md there")
     parser.add_argument("--redis-url", help="use this Redis instead of private redis-servers")
     return parser.parse_args(argv)
 
@@ -379,17 +338,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         with private_redis() as url:
             sizes.append(run_size(url, n, args.jobs, args))
+    scenario, stem, _ = SCENARIOS[args.start]
     found = {
-        "jobs": args.jobs, "passes": args.passes, "rounds": args.rounds,
-        "changed": args.changed, "refreshed": args.refreshed,
+        "scenario": scenario, "start": args.start, "jobs": args.jobs, "passes": args.passes,
+        "rounds": args.rounds, "changed": args.changed, "refreshed": args.refreshed,
         "run_s": round(time.perf_counter() - began, 1), "sizes": sizes,
     }  # fmt: skip
     lines = table(found)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "leader_pass.json").write_text(json.dumps(found, indent=1) + "\n")
-        (out / "leader_pass.md").write_text("\n".join(lines) + "\n")
+        (out / f"{stem}.json").write_text(json.dumps(found, indent=1) + "\n")
+        (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(found, indent=2) if args.json else "\n".join(lines))
     return found
 
