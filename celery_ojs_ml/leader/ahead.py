@@ -117,8 +117,10 @@ def shown_running(
         known = {r.task_id for r in w.running}
         snap = (live.get(w.name) or {}).get("free") or {}
         for a in snap.get("allocations") or []:
+            if a.get("task_id") in known:  # leased: checked before a job is made of it
+                continue
             job = _allocated(a)
-            if job is not None and job.task_id not in known:
+            if job is not None:
                 out.setdefault(w.name, []).append(job)
     return out
 
