@@ -120,7 +120,9 @@ def feeds_of(store: OJSStore, leases: LeaseBook) -> Feeds:
     lease_index, lease_prefix = leases.index_read()
     return Feeds(
         FeedReader(store.client, (index, store.worker_feed, prefix), heartbeat),
-        FeedReader(store.client, (lease_index, leases.feed, lease_prefix), lease),
+        FeedReader(
+            store.client, (lease_index, leases.feed, lease_prefix), lease, changes_only=True
+        ),
     )
 
 

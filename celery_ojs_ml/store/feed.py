@@ -12,6 +12,11 @@ reader, a cursor older than the stream's first entry (trimmed, or the store
 restarted) and every `resync_s` read every value again, so a writer that lost its
 stream entry is stale for `resync_s` at most. A value without `FED` (a writer of an
 earlier version, which appends to no feed) is read on every pass, as before.
+
+With `changes_only` (leases: no TTL, and their writers announce deletions too) a read
+between full ones reads no index at all, only the values named in the stream since the
+cursor, and returns each member as last read (no score: a lease's `deadline` is then
+that of its last write). A reader holding a value without `FED` scans the index.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ end
 local full = ARGV[3] == ''
 local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 local changed = {}
-for i = 4, #ARGV do changed[ARGV[i]] = true end
+for i = 5, #ARGV do changed[ARGV[i]] = true end
 if not full then
   local first = redis.call('XRANGE', KEYS[2], '-', '+', 'COUNT', 1)
   local ctext, cms, cseq = id(ARGV[3])
@@ -59,6 +64,14 @@ if not full then
 end
 local names, scores, out = {}, {}, {'0-0', full and 1 or 0, '', ''}
 if #top > 0 then out[1] = top[1][1] end
+if ARGV[4] == '1' and not full then
+  out[3] = redis.call('ZCARD', KEYS[1])
+  for name in pairs(changed) do
+    out[#out + 1] = name
+    out[#out + 1] = redis.call('GET', ARGV[2] .. name)
+  end
+  return out
+end
 local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 for i = 1, #members, 2 do
   local key = ARGV[2] .. members[i]
@@ -83,11 +96,12 @@ out[4] = table.concat(scores, '\0')
 return out
 """
 """KEYS: index, feed. ARGV: prune cutoff ('' none), key prefix, cursor ('' every
-value), then the members to read whatever the feed says. Reply: cursor, whether
-every value was read, the names and the scores of the index's members whose key
-exists, in index order, each joined by NUL (one string each: 20,000 members parse in
-a few milliseconds, not tens), then (member, value) of each member that changed
-after the cursor."""
+value), '1' for changes only, then the members to read whatever the feed says. Reply:
+cursor, whether every value was read, the names and the scores of the index's members
+whose key exists, in index order, each joined by NUL (one string each: 20,000 members
+parse in a few milliseconds, not tens), then (member, value) of each member that
+changed after the cursor. Changes only (not a full read): the index's size in place of
+the names, no scores, and (member, value or nil where it is gone) of each change."""
 
 Stamp = Callable[[Any, float, float], Any]
 """`(value, score now, score when the value was read)` -> the record a pass gets; a new
@@ -127,6 +141,7 @@ class FeedReader:
         keys: tuple[str, str, str],
         stamp: Stamp,
         *,
+        changes_only: bool = False,
         resync_s: float = RESYNC_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -134,6 +149,9 @@ class FeedReader:
         self._r = client
         self._script: Any = client.register_script(READ)
         self._stamp = stamp
+        self._changes_only = changes_only
+        """Read no index between full reads (see `arguments`)."""
+        self._asked_changes = False
         self._resync_s, self._clock = resync_s, clock
         self.cursor = ""
         """The last stream id read; '' reads every value next time."""
@@ -154,7 +172,9 @@ class FeedReader:
         if self._clock() - self._full_at >= self._resync_s:
             self.cursor = ""
         cutoff: Any = "" if cutoff_ms is None else cutoff_ms
-        return [self.index, self.feed], [cutoff, self.prefix, self.cursor, *self._unfed]
+        self._asked_changes = self._changes_only and not self._unfed
+        mode = "1" if self._asked_changes else "0"
+        return [self.index, self.feed], [cutoff, self.prefix, self.cursor, mode, *self._unfed]
 
     def read(self, cutoff_ms: int | None = None) -> dict[str, Any]:
         """`{name: record}` of every live member, in index order (one round trip)."""
@@ -173,6 +193,8 @@ class FeedReader:
             self._unfed.clear()
             self._full_at = self._clock()
         self.cursor = _text(cursor)
+        if self._asked_changes and not full:
+            return self._changes(int(names), changed)
         members = _split(_bytes(names))
         joined = _bytes(scores)
         at = dict(zip(members, map(float, joined.split(b"\0")), strict=True)) if members else {}
@@ -189,6 +211,22 @@ class FeedReader:
             del values[name]
             self._unfed.discard(name)
         return found
+
+    def _changes(self, size: int, changed: list[Any]) -> dict[str, Any]:
+        """The values after a changes-only read: every member as last read, with no
+        score. Where the index's size differs from the members held (a writer that
+        keeps no feed, or a change that missed it), the next read is a full one."""
+        self.read_values = 0
+        for i in range(0, len(changed), 2):
+            name, raw = _text(changed[i]), changed[i + 1]
+            if raw is None:
+                self._values.pop(name, None)
+                self._unfed.discard(name)
+            else:
+                self._keep(name, raw, float("nan"))
+        if len(self._values) != size:
+            self.cursor = ""
+        return {name: kept.value for name, kept in self._values.items()}
 
     def _stamped(self, name: str, score: float) -> Any:
         """The record of `name` at `score`: the last one made while its score stays."""

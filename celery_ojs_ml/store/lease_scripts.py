@@ -14,13 +14,16 @@ from typing import Any
 RELEASE = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then
-  redis.call('ZREM', KEYS[2], ARGV[1])
+  if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'n', ARGV[1])
+  end
   return 0
 end
 local ok, lease = pcall(cjson.decode, raw)
 if ok and type(lease) == 'table' and lease['token'] == ARGV[2] then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'n', ARGV[1])
   return 1
 end
 return 0
@@ -40,12 +43,15 @@ for i = takes + 1, #KEYS - 2 do
   a = a + 2
   local raw = redis.call('GET', KEYS[2 + i])
   if not raw then
-    redis.call('ZREM', KEYS[1], id)
+    if redis.call('ZREM', KEYS[1], id) == 1 then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[#ARGV], '*', 'n', id)
+    end
   else
     local ok, lease = pcall(cjson.decode, raw)
     if ok and type(lease) == 'table' and lease['token'] == token then
       redis.call('DEL', KEYS[2 + i])
       redis.call('ZREM', KEYS[1], id)
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[#ARGV], '*', 'n', id)
       released = released + 1
     end
   end

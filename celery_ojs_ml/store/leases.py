@@ -213,7 +213,8 @@ class LeaseBook:
 
     def release(self, task_id: str, token: str) -> bool:
         """Delete a lease if it is still the one with `token`."""
-        done = self._script("release", [self._key(task_id), self._index], [task_id, token])
+        keys = [self._key(task_id), self._index, self.feed]
+        done = self._script("release", keys, [task_id, token, MAXLEN])
         if done is not None:
             return bool(done)
         return self._cas(task_id, lambda lease: lease.get("token") == token, None) is not None
@@ -336,14 +337,15 @@ class LeaseBook:
                     lease = json.loads(raw) if raw else None
                     if lease is None or not test(lease):
                         pipe.unwatch()
-                        if lease is None:
-                            self._r.zrem(self._index, task_id)
+                        if lease is None and self._r.zrem(self._index, task_id):
+                            self._r.execute_command(*append(self.feed, task_id))  # type: ignore[no-untyped-call]
                         return None
                     pipe.multi()
                     new = update(lease) if update is not None else None
                     if new is None:
                         pipe.delete(key)
                         pipe.zrem(self._index, task_id)
+                        pipe.execute_command(*append(self.feed, task_id))  # type: ignore[no-untyped-call]
                     else:
                         pipe.set(key, json.dumps(new))
                         pipe.zadd(self._index, {task_id: new["deadline"]})

@@ -130,10 +130,16 @@ def _lease(task_id: str, deadline: float, **extra: Any) -> dict[str, Any]:
 
 def test_a_feed_read_that_differs_from_the_full_read_stops_the_run() -> None:
     full = {"a": _lease("a", 100.0), "b": _lease("b", 100.0)}
-    same(full, {"a": _lease("a", 100.0005), "b": _lease("b", 100.0)}, "deadline", "leases")
+    same(full, {"a": _lease("a", 100.0005), "b": _lease("b", 100.0)}, "deadline", "leases", 0.002)
     with pytest.raises(RuntimeError, match="missing"):
-        same(full, {"a": _lease("a", 100.0)}, "deadline", "leases")
+        same(full, {"a": _lease("a", 100.0)}, "deadline", "leases", 0.002)
     with pytest.raises(RuntimeError, match="differs"):
-        same(full, {"a": _lease("a", 100.0), "b": _lease("b", 101.0)}, "deadline", "leases")
+        same(full, {"a": _lease("a", 100.0), "b": _lease("b", 101.0)}, "deadline", "leases", 0.002)
     with pytest.raises(RuntimeError, match="differs"):
-        same(full, {"a": _lease("a", 100.0, devices=[1]), "b": full["b"]}, "deadline", "leases")
+        same(
+            full,
+            {"a": _lease("a", 100.0, devices=[1]), "b": full["b"]},
+            "deadline",
+            "leases",
+            0.002,
+        )
