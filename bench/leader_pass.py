@@ -355,8 +355,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(found, indent=1) + "\n")
         (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+        draw(out)
     print(json.dumps(found, indent=2) if args.json else "\n".join(lines))
     return found
+
+
+def draw(out: Path) -> None:
+    """`leader_pass.png` in `out`, from the results of each scenario found there."""
+    from bench.replay_plot import leader_pass_plot
+
+    found = [json.loads((out / f"{stem}.json").read_text())
+             for _, stem, _ in SCENARIOS.values() if (out / f"{stem}.json").exists()]  # fmt: skip
+    leader_pass_plot(found, str(out / "leader_pass.png"))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,45 @@ def scheduler_plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def leader_pass_plot(results: list[dict[str, Any]], path: str) -> None:
+    """`bench/leader_pass.py --out`: the live leader's quick pass and its phases, and the
+    heartbeat and lease reads (all against the change feeds), against workers."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    styles = {"steady": "-", "unstarted": ":"}
+    for found in results:
+        sizes = sorted(found["sizes"], key=lambda r: r["workers"])
+        xs, style = [r["workers"] for r in sizes], styles.get(found["scenario"], "--")
+        for phase, colour in (("pass", "black"), ("first_reads", "tab:blue"),
+                              ("fleet", "tab:green"), ("core", "tab:red")):  # fmt: skip
+            ys = [r["passes"]["quick"][phase]["median"] / 1000 for r in sizes]
+            name = "quick pass" if phase == "pass" else phase
+            left.plot(xs, ys, marker="o", linestyle=style, color=colour,
+                      label=f"{name}, {found['scenario']}")  # fmt: skip
+        for key, colour, name in (
+            ("old_ms", "tab:gray", "read all"),
+            ("feed_ms", "tab:purple", "feeds"),
+        ):
+            ys = [r["reads"][key]["median"] for r in sizes]
+            right.plot(xs, ys, marker="o", linestyle=style, color=colour,
+                       label=f"{name}, {found['scenario']}")  # fmt: skip
+    jobs = sorted({f["jobs"] for f in results})
+    left.set_title(f"live leader, quick pass (median), {', '.join(f'{j:,}' for j in jobs)} jobs")
+    left.axhline(1.0, color="gray", linewidth=0.8, linestyle="--", label="1 s target")
+    left.set_ylabel("seconds")
+    right.set_title("heartbeat and lease reads per pass (median)")
+    right.set_ylabel("ms (log)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xlabel("workers (log)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(mode: str, result: dict[str, Any], path: str) -> None:
     """Write the figure of a `--mode` result to `path` (PNG)."""
     plt = _pyplot()

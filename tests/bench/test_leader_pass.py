@@ -33,6 +33,7 @@ def test_a_tiny_run_times_every_phase_and_the_feeds_read_what_the_full_reads_do(
     assert json.loads(capsys.readouterr().out) == found
     assert json.loads((tmp_path / f"{stem}.json").read_text()) == found
     rows = (tmp_path / f"{stem}.md").read_text().splitlines()
+    assert (tmp_path / "leader_pass.png").read_bytes()[:4] == b"\x89PNG", "the plot"
     assert found["scenario"] in rows[0]
     assert [s["workers"] for s in found["sizes"]] == [4, 20]
     for size in found["sizes"]:
