@@ -69,6 +69,20 @@ class RunningMemo(_Memo["RunningJob | None"]):
         return self.get(str(lease.get("task_id")), source, make)
 
 
+class JobsMemo(_Memo[tuple[list[RunningJob], list[RunningJob]]]):
+    """Each worker's running jobs from its leases (and those its heartbeat does not show
+    yet), made again when one of its leases, its heartbeat's snapshot or time, or a
+    checkpoint time changed: 40,000 leases need 10,000 comparisons, not 40,000."""
+
+    def jobs(
+        self,
+        worker: str,
+        source: tuple[Any, ...],
+        make: Callable[[], tuple[list[RunningJob], list[RunningJob]]],
+    ) -> tuple[list[RunningJob], list[RunningJob]]:
+        return self.get(worker, source, make)
+
+
 class StateMemo(_Memo[WorkerState]):
     """Each worker's `WorkerState`, made again when its heartbeat's content, its running
     jobs or what was assigned to it since changed."""
@@ -79,9 +93,9 @@ class StateMemo(_Memo[WorkerState]):
         return self.get(name, source, make)
 
 
-Memos = tuple["CapsMemo", "RunningMemo", "StateMemo"]
+Memos = tuple["CapsMemo", "RunningMemo", "JobsMemo", "StateMemo"]
 
 
 def fresh_memos() -> Memos:
     """Empty memos for `fleet_view.worker_states`."""
-    return CapsMemo(), RunningMemo(), StateMemo()
+    return CapsMemo(), RunningMemo(), JobsMemo(), StateMemo()

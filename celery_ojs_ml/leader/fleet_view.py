@@ -28,7 +28,7 @@ from celery_ojs_ml.spec.resources import MLRequirements
 from celery_ojs_ml.wire import headers as h
 from celery_ojs_ml.wire.labels import job_labels
 
-from .fleet_memo import Memos, RunningMemo, StateMemo
+from .fleet_memo import JobsMemo, Memos, RunningMemo, StateMemo
 
 Parse = Callable[[Mapping[str, Any]], MLRequirements | None]
 """Message headers -> requirements (the gate's `InboundCheck.requirements`)."""
@@ -101,8 +101,8 @@ def worker_states(
     where the caller has it already.
     """
     shown = allocated_ids(live) if shown is None else shown
-    caps, jobs, states = memos
-    running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {}, jobs)
+    caps, jobs, kept, states = memos
+    running, unseen = _lease_jobs(leases, live, shown, parse, checkpoints or {}, (jobs, kept))
     inflight = _Inflight(used, inflight_labels or {}, inflight_shares or {}, inflight_jobs or {})
     found = [
         _kept_state(states, name, entry, caps.caps(name, entry), running.get(name, []),
@@ -223,26 +223,54 @@ def _lease_jobs(
     shown: Mapping[str, frozenset[str]],
     parse: Parse,
     checkpoints: Mapping[str, float],
-    memo: RunningMemo,
+    memos: tuple[RunningMemo, JobsMemo],
 ) -> tuple[dict[str, list[RunningJob]], dict[str, list[RunningJob]]]:
     """The running jobs of each worker, from the leases; and, apart, those started under
     a grant since its last heartbeat (`unseen`): no assignment of the scheduler's counts
     them (the `Ledger` holds only its own), so the capacity the heartbeat shows free is
-    theirs until the next one shows them."""
+    theirs until the next one shows them. Kept per worker while nothing they are made
+    from changed (`fleet_memo.JobsMemo`)."""
+    mine: dict[str, list[dict[str, Any]]] = {}
+    for lease in leases:
+        mine.setdefault(str(lease.get("worker")), []).append(lease)
     running: dict[str, list[RunningJob]] = {}
     unseen: dict[str, list[RunningJob]] = {}
-    for lease in leases:
+    jobs, kept = memos
+    for worker, held in mine.items():
+        entry = live.get(worker) or {}
+        marks = tuple(checkpoints.get(str(x.get("task_id"))) for x in held) if checkpoints else ()
+        source = (tuple(held), entry.get("free"), entry.get("ts"), marks)
+        make = partial(_worker_jobs, held, live, shown, parse, checkpoints, jobs)
+        run, late = kept.jobs(worker, source, make)
+        if run:
+            running[worker] = run
+        if late:
+            unseen[worker] = late
+    return running, unseen
+
+
+def _worker_jobs(
+    held: list[dict[str, Any]],
+    live: Mapping[str, Mapping[str, Any]],
+    shown: Mapping[str, frozenset[str]],
+    parse: Parse,
+    checkpoints: Mapping[str, float],
+    memo: RunningMemo,
+) -> tuple[list[RunningJob], list[RunningJob]]:
+    """One worker's part of `_lease_jobs`, over its leases `held`."""
+    running: list[RunningJob] = []
+    unseen: list[RunningJob] = []
+    for lease in held:
         at = checkpoints.get(str(lease.get("task_id")))
         job = memo.running(lease, at, partial(_running, lease, parse, at))
         if job is None:
             continue
-        worker = str(lease.get("worker"))
         hidden = _unshown(lease, live, shown)
-        if hidden and _started_before(lease, live[worker]):
+        if hidden and _started_before(lease, live[str(lease.get("worker"))]):
             job = dataclasses.replace(job, ended=True)
         elif hidden and (lease.get("headers") or {}).get(h.GRANT):
-            unseen.setdefault(worker, []).append(job)
-        running.setdefault(worker, []).append(job)
+            unseen.append(job)
+        running.append(job)
     return running, unseen
 
 

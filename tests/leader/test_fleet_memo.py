@@ -76,3 +76,36 @@ def test_a_workers_state_is_kept_while_nothing_it_reads_changes() -> None:
     fewer = {"free": {"gpu_count": 1, "cpu_cores": 8, "memory_gb": 64}}
     (changed,) = worker_states({"w": {**beat, "free": fewer}}, [], {}, parse, memos)
     assert changed.free.gpus == 1
+
+
+def test_a_workers_running_jobs_are_made_again_only_when_a_lease_or_its_heartbeat_changed() -> None:
+    """`worker_states` keeps each worker's jobs from its leases; a new lease there, or a
+    heartbeat that no longer shows a job, changes them."""
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.leader.fleet_memo import fresh_memos
+    from celery_ojs_ml.leader.fleet_view import worker_states
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    allocations = [{"task_id": "a", "devices": [0]}, {"task_id": "b", "devices": [1]}]
+    free = {"free": {"gpu_count": 2}, "allocations": allocations}
+    beat = {"capabilities": caps, "free": free, "info": {"queues": ["celery"]}, "ts": 100.0}
+    headers = {"ext_ml_gpu_count": 1}
+
+    def lease(task_id: str) -> dict[str, Any]:
+        return {"task_id": task_id, "worker": "w", "started_at": 50.0, "devices": [0],
+                "headers": headers}  # fmt: skip
+
+    def parse(found: Any) -> Any:
+        return normalize(dict(found)).requirements
+
+    memos = fresh_memos()
+    leases = [lease("a"), lease("b")]
+    (first,) = worker_states({"w": beat}, leases, {}, parse, memos)
+    (again,) = worker_states({"w": beat}, list(leases), {}, parse, memos)
+    assert again is first and [r.task_id for r in first.running] == ["a", "b"]
+    (more,) = worker_states({"w": beat}, [*leases, lease("c")], {}, parse, memos)
+    assert [r.task_id for r in more.running] == ["a", "b", "c"]
+    assert [r.ended for r in more.running] == [False, False, True], "c not shown at 100 s"
+    shows_a = {**free, "allocations": allocations[:1]}
+    (ended,) = worker_states({"w": {**beat, "free": shows_a}}, leases, {}, parse, memos)
+    assert [r.ended for r in ended.running] == [False, True], "b no longer shown"
