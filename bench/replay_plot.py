@@ -68,14 +68,7 @@ def scheduler_plot(rows: list[dict[str, Any]], path: str) -> None:
     right.set_ylabel("µs (log)")
     right.set_yscale("log")
     right.axhline(1000, color="gray", linewidth=0.8, linestyle="--", label="1 ms target")
-    for ax in (left, right):
-        ax.set_xscale("log")
-        ax.set_xlabel("workers (log)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _by_workers(plt, fig, (left, right), path, 8)
 
 
 def leader_pass_plot(results: list[dict[str, Any]], path: str) -> None:
@@ -107,11 +100,16 @@ def leader_pass_plot(results: list[dict[str, Any]], path: str) -> None:
     right.set_title("heartbeat and lease reads per pass (median)")
     right.set_ylabel("ms (log)")
     right.set_yscale("log")
-    for ax in (left, right):
+    _by_workers(plt, fig, (left, right), path, 7)
+
+
+def _by_workers(plt: Any, fig: Any, axes: tuple[Any, ...], path: str, font: int) -> None:
+    """Panels against workers (log scale), saved to `path` and closed."""
+    for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("workers (log)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=font)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
