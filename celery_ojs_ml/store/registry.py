@@ -253,17 +253,18 @@ class OJSStore:
         """`advertise`'s writes as Redis commands, for a caller that sends them itself
         (the worker's wake-up, on its lease connection, without waiting for the reply);
         applied in order on one connection, the push comes after the heartbeat."""
-        content = {"capabilities": capabilities, "free": free, "info": info or {}, FED: 1}
+        text = _dumps({"capabilities": capabilities, "free": free, "info": info or {}, FED: 1})
         now = self._clock()
         ttl_ms = _ttl_ms(ttl_s)
-        items: list[tuple[str, Any]] = [("worker", {**content, "ts": now})]
+        # Serialised once (a wake-up sends one per job end): `ts` sorts last, so the
+        # heartbeat is the content with it spliced in, as `_dumps` would write it.
+        items = [("worker", f'{text[:-1]},"ts":{json.dumps(now)}}}')]
         if held is not None:
-            items.append(("held", held))
+            items.append(("held", _dumps(held)))
         commands: list[tuple[str | bytes | int, ...]] = []
         for kind, value in items:
-            commands.append(("SET", self.key(kind, worker), _dumps(value), "PX", ttl_ms))
+            commands.append(("SET", self.key(kind, worker), value, "PX", ttl_ms))
             commands.append(("ZADD", self.key("index", kind), round(now * 1000) + ttl_ms, worker))
-        text = _dumps(content)
         if self._advertised.get(worker) != text:
             self._advertised[worker] = text
             commands.append(append(self.worker_feed, worker))

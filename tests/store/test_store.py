@@ -224,3 +224,17 @@ def test_live_workers_and_leases_read_the_same_with_and_without_lua(
     assert store.indexed(store.key("index", "worker"), store.key("worker", "")) == (
         [("w1@host", redis_client.get(store.key("worker", "w1@host")))] if lua else None
     )
+
+
+def test_a_heartbeat_is_stored_as_sorted_compact_json_with_its_time_last(
+    store: OJSStore, redis_client: redis.Redis
+) -> None:
+    """The heartbeat is written from its content serialised once, with `ts` spliced in:
+    the same bytes as serialising the whole record."""
+    store.advertise("w1", CAPS, FREE, info={"queues": ["a"], "pid": 7})
+    raw = redis_client.get(store.key("worker", "w1"))
+    assert raw is not None
+    record = json.loads(raw)
+    assert raw.decode() == json.dumps(record, sort_keys=True, separators=(",", ":"))
+    assert list(record) == ["capabilities", "fed", "free", "info", "ts"]
+    assert record["info"] == {"queues": ["a"], "pid": 7}
