@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 from pathlib import Path
@@ -36,14 +37,35 @@ def rejects(attrs: dict[str, Any]) -> SpecError:
     return info.value
 
 
+def _ephemeral_floor() -> int:
+    """The first port the kernel hands to outgoing connections (32768 by default)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A free loopback port for a private server; never Redis' default 6379."""
+    """A free loopback port for a private server; never Redis' default 6379.
+
+    It is drawn at random below the kernel's ephemeral range, so an outgoing connection
+    (a test's own client) cannot take it between this check and the server's bind, and
+    two xdist processes are unlikely to draw the same one."""
+    high = _ephemeral_floor()
+    low = max(1024, high - 12000)
     while True:
+        port = random.randrange(low, high) if high - low > 100 else 0
+        if port == 6379:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port != 6379:
-            return port
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            found = int(sock.getsockname()[1])
+        if found != 6379:
+            return found
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from click.testing import CliRunner
 from celery_ojs_ml.cli.main import cli
 from celery_ojs_ml.store.registry import OJSStore
 from tests.demo.oracle import check_report
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 
 def _demo(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -93,12 +92,6 @@ def test_the_redis_demo_pins_devices_in_real_workers_and_leaves_nothing_behind(
         assert _demo_workers_on(redis_url) == []
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 CLI_ERRORS = {
     "an AMQP broker is refused with the forms it takes": (
         ["--broker", "amqp://guest@localhost//"],
@@ -119,7 +112,7 @@ def test_a_demo_that_cannot_run_exits_2_and_says_why(args: list[str], message: s
 
 
 def test_an_unreachable_redis_exits_2_and_names_it() -> None:
-    url = f"redis://127.0.0.1:{_free_port()}/0"
+    url = f"redis://127.0.0.1:{free_port()}/0"
     result = CliRunner().invoke(cli, ["demo", "--broker", url])
     assert result.exit_code == 2
     assert result.stderr.strip() == (

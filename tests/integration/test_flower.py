@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import redis
 
 from celery_ojs_ml.store.registry import OJSStore
+from tests.helpers import free_port
 from tests.integration.mlapp import make_app
 from tests.integration.workers import ROOT, WorkerProcess
 
@@ -35,12 +35,6 @@ pytestmark = pytest.mark.integration
 
 _POLL_TIMEOUT_S = 60.0
 WORKER = "a@test"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def flowerconfig_from_docs() -> str:
@@ -53,7 +47,7 @@ def flowerconfig_from_docs() -> str:
 
 def start_flower(redis_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """A Flower process on the test broker (API without auth, the documented config)."""
-    port, conf = _free_port(), tmp_path / "flowerconfig.py"
+    port, conf = free_port(), tmp_path / "flowerconfig.py"
     conf.write_text(flowerconfig_from_docs())
     argv = [sys.executable, "-m", "celery", "-A", "tests.integration.mlapp:app", "flower"]
     argv += [f"--port={port}", "--address=127.0.0.1", "--inspect_timeout=2000"]
