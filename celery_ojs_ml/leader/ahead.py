@@ -95,14 +95,25 @@ def room(
     shown = shown or {}
     out: dict[str, tuple[int, int]] = {}
     for w in fleet:
-        new = assigned.get(w.name, [])
-        running = [*w.running, *shown.get(w.name, ())]
-        gpus = [r.gpus for r in running] + [int(j.req.ext_ml_gpu_count or 0) for j in new]
-        if not gpus or min(gpus) < 1 or left[w.name].gpus != 0:
-            continue
-        below = min([lowest_preemptible(running), *(rank(j.band) for j in new)])
-        out[w.name] = (below, min(gpus))
+        entry = room_on(w, left[w.name], assigned.get(w.name, ()), shown.get(w.name, ()))
+        if entry is not None:
+            out[w.name] = entry
     return out
+
+
+def room_on(
+    w: WorkerState,
+    left: FreeCapacity,
+    new: Sequence[PendingJob] = (),
+    shown: Sequence[RunningJob] = (),
+) -> tuple[int, int] | None:
+    """`room`'s entry for one worker (None: none); `left`, `new`, `shown`: its own."""
+    running = [*w.running, *shown]
+    gpus = [r.gpus for r in running] + [int(j.req.ext_ml_gpu_count or 0) for j in new]
+    if not gpus or min(gpus) < 1 or left.gpus != 0:
+        return None
+    below = min([lowest_preemptible(running), *(rank(j.band) for j in new)])
+    return below, min(gpus)
 
 
 def shown_running(
@@ -114,14 +125,25 @@ def shown_running(
     the heartbeat does not name counts as the lowest, preemptible (the safe side)."""
     out: dict[str, list[RunningJob]] = {}
     for w in fleet:
-        known = {r.task_id for r in w.running}
-        snap = (live.get(w.name) or {}).get("free") or {}
-        for a in snap.get("allocations") or []:
-            if a.get("task_id") in known:  # leased: checked before a job is made of it
-                continue
-            job = _allocated(a)
-            if job is not None:
-                out.setdefault(w.name, []).append(job)
+        jobs = shown_on(w, (live.get(w.name) or {}).get("free") or {})
+        if jobs:
+            out[w.name] = jobs
+    return out
+
+
+def shown_on(w: WorkerState, snap: Mapping[str, Any]) -> list[RunningJob]:
+    """`shown_running` for one worker; `snap`: its heartbeat's `free`."""
+    allocations = snap.get("allocations")
+    if not allocations:
+        return []
+    known = {r.task_id for r in w.running}
+    out: list[RunningJob] = []
+    for a in allocations:
+        if a.get("task_id") in known:  # leased: checked before a job is made of it
+            continue
+        job = _allocated(a)
+        if job is not None:
+            out.append(job)
     return out
 
 

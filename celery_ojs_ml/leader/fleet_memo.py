@@ -11,7 +11,7 @@ memo holds the members of the last pass only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from celery_ojs_ml.capabilities import Capabilities, parse_capabilities
@@ -36,6 +36,10 @@ class _Memo(Generic[T]):
         made = make()
         self._by[name] = (source, made)
         return made
+
+    def keep(self, names: Iterable[str]) -> None:
+        """Keep what was made for `names` past this pass though it did not ask for them."""
+        self._seen.update(names)
 
     def end_pass(self) -> None:
         """Forget the names this pass did not ask for (workers gone, jobs ended)."""

@@ -236,6 +236,9 @@ def _lease_jobs(
     running: dict[str, list[RunningJob]] = {}
     unseen: dict[str, list[RunningJob]] = {}
     jobs, kept = memos
+    # A worker's leases are parsed only when its jobs are made again: the others' stay
+    # kept, or each heartbeat's refresh would have them all parsed again.
+    jobs.keep(str(lease.get("task_id")) for lease in leases)
     for worker, held in mine.items():
         entry = live.get(worker) or {}
         marks = tuple(checkpoints.get(str(x.get("task_id"))) for x in held) if checkpoints else ()

@@ -83,6 +83,8 @@ class PendingView:
                 held[task_id] = fresh[task_id]
             else:
                 held.pop(task_id, None)
+        if len(held) == len(ids) and list(held) == ids:
+            return held  # new jobs came last in the index, as they mostly do: kept in order
         # In index order, in C: a job read as started or gone since the index was read
         # (`want`, not in `fresh`) is in `ids` but no longer held.
         ordered: dict[str, Any] = dict(zip(ids, map(held.get, ids), strict=True))

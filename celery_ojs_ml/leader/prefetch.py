@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from celery_ojs_ml.allocator.model import Demand, rank
-from celery_ojs_ml.scheduler import PendingJob, Policy, RunningJob, WorkerState
+from celery_ojs_ml.scheduler import PendingJob, Policy, WorkerState
 from celery_ojs_ml.scheduler.fair import AheadShares
 from celery_ojs_ml.scheduler.order import OrderKey, order_key
 from celery_ojs_ml.spec.resources import MLRequirements, gpu_share
@@ -27,6 +27,7 @@ from celery_ojs_ml.store.pending import ASSIGNED
 
 from . import ahead as rules
 from .ahead import Note, ahead_estimates
+from .ahead_kept import AheadKept
 from .budget_holds import BudgetHolds
 from .fleet_view import pending_job
 from .notes import Notes
@@ -121,6 +122,8 @@ class Prefetch:
         self.ahead_notes: dict[str, Note] = {}
         """The annotation last written for each job delivered ahead."""
         self.turnover: dict[str, tuple[frozenset[str], float]] = {}
+        self.kept = AheadKept()
+        """Per worker, its shown jobs, `room` entry and running ids, kept while unchanged."""
         """Per worker: its running jobs as the last pass saw them, and when one last ended."""
 
     def send_ahead(self, state: PassState) -> None:
@@ -137,10 +140,10 @@ class Prefetch:
         decision, fleet, jobs, now = state.decision, state.fleet, state.jobs, state.now
         waiting = self._held_ahead(state.records)
         left = rules.left_after(decision, fleet, jobs)
-        shown = rules.shown_running(fleet, state.live)
-        room = rules.room(fleet, left, rules.assigned_jobs(decision, jobs), shown)
+        self.kept.shown(fleet, state.live)
+        room = self.kept.room(fleet, left, rules.assigned_jobs(decision, jobs))
         shares = self._ahead_shares(state)
-        turning = self._turning(fleet, now, shown)
+        turning = self._turning(fleet, now)
         horizon = float(self.settings.max_hold_s) / 2
         shut: set[str] = set()
         """Workers where a job planned earlier in order was not sent ahead: one sent after
@@ -303,9 +306,7 @@ class Prefetch:
             return False  # held at the gate, it would keep other jobs from backfilling there
         return waiting < int(self.settings.prefetch)
 
-    def _turning(
-        self, fleet: list[WorkerState], now: float, shown: dict[str, list[RunningJob]]
-    ) -> set[str]:
+    def _turning(self, fleet: list[WorkerState], now: float) -> set[str]:
         """Workers where a running job ended within the last `ojs_ml_max_hold_s / 2`, as
         the passes saw their leases and heartbeats (`shown`: jobs without a lease yet):
         a job sent there ahead is likely to start well before its gate gives it back.
@@ -315,7 +316,7 @@ class Prefetch:
         out: set[str] = set()
         seen = self.turnover
         for w in fleet:
-            ids = frozenset(r.task_id for r in (*w.running, *shown.get(w.name, ())))
+            ids = self.kept.running_ids(w)
             before, ended = seen.get(w.name, (ids, -1e18))
             if before - ids:
                 ended = now

@@ -81,7 +81,7 @@ def schedule(
     gangs, waiting = ready_gangs((j for j in jobs if j.gang is not None), now)
     general += [g.lead for g in gangs.values()]  # a gang takes its lead's place in order
     if held:
-        fleet = open_queues(hold(fleet, held.values(), now))
+        fleet = open_queues(hold(fleet, held.values(), now), memo)
         general += [p.as_job() for p in held.values() if p.worker is None and not p.ended]
     inflight = list(inflight)
     ordered, orders = pass_order(general, fleet, inflight, policy, usage)

@@ -1,6 +1,6 @@
 """Start estimates: the worker where a waiting job can start soonest, and when.
 
-Key decision: one lazy heap per (requirement class, queue, dedicated) holds
+Key decision: one lazy heap per (footprint, eligible workers) holds
 every eligible worker keyed by when the class's footprint stays free there for
 ever after, a start that suits any time limit. A start estimate checks the
 first few workers off the heap exactly for the job's own time limit (a short
@@ -22,6 +22,9 @@ from celery_ojs_ml.scheduler.vectors import Vec
 Entry = tuple[float, int, int]
 """(start from which the footprint stays free for ever, worker index, worker version)."""
 
+HeapKey = tuple[Vec | None, tuple[int, ...]]
+"""A heap's footprint (None: the whole worker, a dedicated job) and eligible groups."""
+
 SCAN_LIMIT = 8
 """Workers, soonest first by the heap's key, checked exactly per start estimate."""
 
@@ -38,8 +41,9 @@ class Estimator:
 
     def __init__(self, view: FleetView) -> None:
         self.view = view
-        self._heaps: dict[tuple[str, str, bool], list[Entry]] = {}
-        self._asks: dict[tuple[str, str, bool], tuple[Ask, frozenset[int]]] = {}
+        self._shared: dict[tuple[str, str, bool], HeapKey] = {}
+        self._heaps: dict[HeapKey, list[Entry]] = {}
+        self._asks: dict[HeapKey, tuple[Ask, frozenset[int]]] = {}
         self._keys: dict[tuple[int, Vec], tuple[int, float]] = {}
 
     def need(self, ask: Ask, slot: Slot) -> Vec:
@@ -87,7 +91,14 @@ class Estimator:
         return best
 
     def _heap(self, ask: Ask) -> list[Entry]:
-        key = (ask.job.class_key, ask.job.queue, ask.dedicated)
+        """The heap of the job's kind: kinds with one footprint and the same eligible
+        groups share one (jobs of one class in many queues served alike, for example)."""
+        kind = (ask.job.class_key, ask.job.queue, ask.dedicated)
+        key = self._shared.get(kind)
+        if key is None:
+            groups = self.view.eligible(ask.job)
+            key = (None if ask.dedicated else ask.want, tuple(g.idx for g in groups))
+            self._shared[kind] = key
         heap = self._heaps.get(key)
         if heap is None:
             slots = self.view.slots
@@ -98,8 +109,7 @@ class Estimator:
             ]
             heapq.heapify(heap)
             self._heaps[key] = heap
-            groups = frozenset(g.idx for g in self.view.eligible(ask.job))
-            self._asks[key] = (ask, groups)
+            self._asks[key] = (ask, frozenset(key[1]))
         return heap
 
     def _key(self, ask: Ask, slot: Slot) -> float:

@@ -1,6 +1,7 @@
-"""What outlives a pass: capability keys, and which capabilities can ever run a class.
+"""What outlives a pass: capability keys, which capabilities can ever run a class, and
+worker states derived from the fleet's (`derived`).
 
-Key decision: both are keyed so a lookup is cheap on the next pass over the same
+Key decision: all are keyed so a lookup is cheap on the next pass over the same
 fleet: a worker's capabilities object by identity (the registry hands the same
 object back while the advertisement is unchanged), the "ever" answer by
 (requirement class, capability key). Both are bounded and simply cleared when full.
@@ -8,9 +9,11 @@ object back while the advertisement is unchanged), the "ever" answer by
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import MatchResult, match
-from celery_ojs_ml.scheduler.model import PendingJob
+from celery_ojs_ml.scheduler.model import PendingJob, WorkerState
 from celery_ojs_ml.spec.resources import MLRequirements
 
 MEMO_MAX = 50_000
@@ -23,6 +26,7 @@ class Memo:
     def __init__(self) -> None:
         self._keys: dict[tuple[int, bool], tuple[Capabilities, str]] = {}
         self._ever: dict[tuple[str, str], MatchResult] = {}
+        self._derived: dict[int, tuple[WorkerState, WorkerState]] = {}
 
     def caps_key(self, caps: Capabilities, *, exact: bool) -> str:
         """A key equal for equal capabilities; the worker id counts only when `exact`."""
@@ -34,6 +38,20 @@ class Memo:
             self._keys.clear()
         self._keys[(id(caps), exact)] = (caps, key)  # holds caps, so its id is not reused
         return key
+
+    def derived(
+        self, state: WorkerState, make: Callable[[WorkerState], WorkerState]
+    ) -> WorkerState:
+        """`make(state)`, made once per worker state object (the leader hands the same one
+        back while the worker is unchanged), as `caps_key` does for capabilities."""
+        hit = self._derived.get(id(state))
+        if hit is not None and hit[0] is state:
+            return hit[1]
+        if len(self._derived) >= MEMO_MAX:
+            self._derived.clear()
+        made = make(state)
+        self._derived[id(state)] = (state, made)  # holds state, so its id is not reused
+        return made
 
     def ever(self, job: PendingJob, caps_key: str, caps: Capabilities) -> MatchResult:
         """`match` with no free capacity: NEVER means this class can never run there."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from celery_ojs_ml.allocator.model import Demand
 from celery_ojs_ml.matching import FreeCapacity, Verdict, match, pending_message
 from celery_ojs_ml.matching.filters import fmt
+from celery_ojs_ml.scheduler.memo import Memo
 from celery_ojs_ml.scheduler.model import (
     Annotation,
     Assignment,
@@ -79,9 +80,17 @@ _ANY_QUEUE = "\x00any"
 """A reservation is placed on any worker, whatever queues it consumes (see `open_queues`)."""
 
 
-def open_queues(fleet: Sequence[WorkerState]) -> list[WorkerState]:
-    """Every worker also consumes `_ANY_QUEUE`, the queue of reservations being placed."""
-    return [replace(w, queues=w.queues | {_ANY_QUEUE}) for w in fleet]
+def open_queues(fleet: Sequence[WorkerState], memo: Memo | None = None) -> list[WorkerState]:
+    """Every worker also consumes `_ANY_QUEUE`, the queue of reservations being placed
+    (with `memo`, made once per worker state object: the same one comes back while the
+    worker is unchanged)."""
+    if memo is None:
+        return [_opened(w) for w in fleet]
+    return [memo.derived(w, _opened) for w in fleet]
+
+
+def _opened(w: WorkerState) -> WorkerState:
+    return replace(w, queues=w.queues | {_ANY_QUEUE})
 
 
 def hold(

@@ -109,3 +109,32 @@ def test_a_workers_running_jobs_are_made_again_only_when_a_lease_or_its_heartbea
     shows_a = {**free, "allocations": allocations[:1]}
     (ended,) = worker_states({"w": {**beat, "free": shows_a}}, leases, {}, parse, memos)
     assert [r.ended for r in ended.running] == [False, True], "b no longer shown"
+
+
+def test_a_lease_is_parsed_once_though_its_worker_was_not_remade_for_passes() -> None:
+    """A worker kept for a pass (nothing changed) keeps its leases' parsed jobs: when its
+    heartbeat's time later changes, its jobs are made again from them, not parsed again."""
+    from celery_ojs_ml.capabilities import resolve_capabilities
+    from celery_ojs_ml.leader.fleet_memo import fresh_memos
+    from celery_ojs_ml.leader.fleet_view import worker_states
+
+    caps = resolve_capabilities("profile:nvidia-a100x4").model_dump(mode="json")
+    free = {"free": {"gpu_count": 3}, "allocations": [{"task_id": "a", "devices": [0]}]}
+    beat = {"capabilities": caps, "free": free, "info": {"queues": ["celery"]}, "ts": 100.0}
+    leases = [{"task_id": "a", "worker": "w", "started_at": 50.0, "devices": [0],
+               "headers": {"ext_ml_gpu_count": 1}}]  # fmt: skip
+    parsed: list[Any] = []
+
+    def parse(found: Any) -> Any:
+        parsed.append(found)
+        return normalize(dict(found)).requirements
+
+    memos = fresh_memos()
+    (first,) = worker_states({"w": beat}, leases, {}, parse, memos)
+    worker_states({"w": beat}, leases, {}, parse, memos)  # kept: the lease is not asked for
+    (later,) = worker_states({"w": {**beat, "ts": 101.0}}, leases, {}, parse, memos)
+    assert len(parsed) == 1, "the lease was parsed again"
+    assert later.running == first.running
+    worker_states({"w": beat}, [], {}, parse, memos)  # the lease is gone: forgotten
+    worker_states({"w": beat}, leases, {}, parse, memos)
+    assert len(parsed) == 2

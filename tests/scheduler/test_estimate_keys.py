@@ -36,3 +36,27 @@ def test_kinds_of_job_with_equal_needs_share_a_key_and_others_do_not() -> None:
     assert estimator.soonest(other) == (NOW + 600, view.slots[0])
     dedicated = Ask.of(job("d", gpu_count=1, gpu_affinity="dedicated"), NOW)
     assert estimator.soonest(dedicated) == (NOW + 600, view.slots[0])
+
+
+def test_jobs_of_one_footprint_in_queues_served_alike_share_one_heap() -> None:
+    """One heap per (footprint, eligible workers): a class queued under many names that
+    the same workers serve is keyed over the fleet once, not once per queue; a queue
+    served by other workers gets its own."""
+    both = frozenset({"q1", "q2"})
+    fleet = [worker("w0", queues=both), worker("w1", queues=both),
+             worker("w2", queues=frozenset({"q3"}))]  # fmt: skip
+    view = FleetView(fleet, NOW, Policy(), Workload())
+    estimator = Estimator(view)
+    view.assign(Ask.of(job("c", gpu_count=8, limit=600, queue="q1"), NOW), view.slots[0])
+    view.assign(Ask.of(job("d", gpu_count=8, limit=300, queue="q3"), NOW), view.slots[2])
+    first = estimator.soonest(Ask.of(job("a", gpu_count=8, queue="q1"), NOW))
+    second = estimator.soonest(Ask.of(job("b", gpu_count=8, queue="q2"), NOW))
+    assert first == second == (NOW, view.slots[1])
+    view.assign(Ask.of(job("e", gpu_count=8, limit=900, queue="q2"), NOW), view.slots[1])
+    assert estimator.soonest(Ask.of(job("f", gpu_count=8, queue="q2"), NOW)) == (
+        NOW + 600,
+        view.slots[0],
+    )
+    other = estimator.soonest(Ask.of(job("g", gpu_count=8, queue="q3"), NOW))
+    assert other == (NOW + 300, view.slots[2])
+    assert len(estimator._heaps) == 2

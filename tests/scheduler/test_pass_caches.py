@@ -165,3 +165,20 @@ def test_a_pass_leaves_no_reference_cycle_for_the_collector() -> None:
         assert gc.collect() == 0, "no cyclic garbage left by the pass"
     finally:
         gc.enable()
+
+
+def test_workers_opened_to_reservations_are_made_once_per_worker_state() -> None:
+    """With a reservation to place, every worker also consumes the reservations' queue;
+    with the pass memo, an unchanged worker's opened state is the one made last pass."""
+    from celery_ojs_ml.scheduler.memo import Memo
+    from celery_ojs_ml.scheduler.pools import open_queues
+    from tests.scheduler.helpers import worker
+
+    memo = Memo()
+    fleet = [worker("a"), worker("b")]
+    first = open_queues(fleet, memo)
+    assert all(w.queues > f.queues for w, f in zip(first, fleet, strict=True))
+    again = open_queues([fleet[0], worker("b")], memo)
+    assert again[0] is first[0], "unchanged: kept"
+    assert again[1] is not first[1] and again[1] == first[1], "a new state: made again"
+    assert open_queues(fleet) == first

@@ -125,3 +125,20 @@ def test_the_view_equals_a_full_read_after_any_sequence_of_changes(
         if rng.random() < 0.3:
             _same(view, book)
     _same(view, book)
+
+
+def test_jobs_admitted_between_others_take_their_place_in_admission_order(
+    book: PendingBook,
+) -> None:
+    """The view keeps its records in index order while new jobs come last (the usual case)
+    and reorders them when one is admitted with an earlier submit time."""
+    view = PendingView(book, Clock())
+    for n in (1, 3, 5):
+        _admit(book, f"j{n}", float(n))
+    assert list(view.records()) == ["j1", "j3", "j5"]
+    _admit(book, "j6", 6.0)
+    assert list(view.records()) == ["j1", "j3", "j5", "j6"], "a later job comes last"
+    _admit(book, "j2", 2.0)
+    _admit(book, "j7", 7.0)
+    assert list(view.records()) == ["j1", "j2", "j3", "j5", "j6", "j7"], "an earlier one in place"
+    _same(view, book)
