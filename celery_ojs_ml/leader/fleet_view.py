@@ -299,14 +299,27 @@ def gpu_free_milli(
     return free
 
 
-def allocated_ids(live: Mapping[str, Mapping[str, Any]]) -> dict[str, frozenset[str]]:
-    """Task ids each worker's last heartbeat shows allocated (running or starting)."""
-    return {
-        name: frozenset(
-            str(a.get("task_id")) for a in (entry.get("free") or {}).get("allocations") or []
-        )
-        for name, entry in live.items()
-    }
+def allocated_ids(
+    live: Mapping[str, Mapping[str, Any]], kept: dict[str, tuple[Any, frozenset[str]]] | None = None
+) -> dict[str, frozenset[str]]:
+    """Task ids each worker's last heartbeat shows allocated (running or starting).
+
+    `kept`: worker -> (snapshot, ids) of the last call, updated: a snapshot the change
+    feed handed back unchanged (the same object) keeps its ids."""
+    out: dict[str, frozenset[str]] = {}
+    for name, entry in live.items():
+        free = entry.get("free") or {}
+        hit = None if kept is None else kept.get(name)
+        if hit is not None and hit[0] is free:
+            out[name] = hit[1]
+            continue
+        out[name] = frozenset(str(a.get("task_id")) for a in free.get("allocations") or [])
+        if kept is not None:
+            kept[name] = (free, out[name])
+    if kept is not None and len(kept) > len(out):
+        for name in kept.keys() - out.keys():
+            del kept[name]
+    return out
 
 
 _ENDED_AFTER_S = 0.05

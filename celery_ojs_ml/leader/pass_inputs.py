@@ -91,6 +91,8 @@ class PassInputs:
         """The live workers' heartbeats and the leases, read again only where they changed."""
         self.memos = fresh_memos()
         """Capabilities and running jobs kept from pass to pass (`fleet_memo`)."""
+        self._allocated: dict[str, tuple[Any, frozenset[str]]] = {}
+        """Per worker, its heartbeat's allocated task ids (`fleet_view.allocated_ids`)."""
         self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
         """Parsed waiting jobs by (task id, admitted at, priority) (`job`)."""
         self._starts: dict[str, float | None] = {}
@@ -265,7 +267,7 @@ class PassInputs:
     ) -> list[WorkerState]:
         """The core's view of the live workers: reports, leases, assignments in flight."""
         beats = {name: float(e.get("ts") or 0.0) for name, e in live.items()}
-        shown = allocated_ids(live)
+        shown = allocated_ids(live, self._allocated)
         used = self.ledger.used(records, beats, shown, now, self.started_at)
         return worker_states(
             live,

@@ -138,3 +138,17 @@ def test_a_lease_is_parsed_once_though_its_worker_was_not_remade_for_passes() ->
     worker_states({"w": beat}, [], {}, parse, memos)  # the lease is gone: forgotten
     worker_states({"w": beat}, leases, {}, parse, memos)
     assert len(parsed) == 2
+
+
+def test_allocated_ids_are_kept_per_snapshot_and_forgotten_with_their_worker() -> None:
+    from celery_ojs_ml.leader.fleet_view import allocated_ids
+
+    snap = {"allocations": [{"task_id": "a"}, {"task_id": "b"}]}
+    kept: dict[str, Any] = {}
+    first = allocated_ids({"w": {"free": snap}, "v": {}}, kept)
+    assert first == {"w": frozenset({"a", "b"}), "v": frozenset()}
+    again = allocated_ids({"w": {"free": snap, "ts": 2.0}}, kept)
+    assert again["w"] is first["w"] and set(kept) == {"w"}, "kept; v forgotten"
+    changed = allocated_ids({"w": {"free": {"allocations": [{"task_id": "c"}]}}}, kept)
+    assert changed == {"w": frozenset({"c"})}
+    assert allocated_ids({"w": {"free": snap}}) == {"w": frozenset({"a", "b"})}
