@@ -91,8 +91,7 @@ class PassInputs:
         """The live workers' heartbeats and the leases, read again only where they changed."""
         self.memos = fresh_memos()
         """Capabilities and running jobs kept from pass to pass (`fleet_memo`)."""
-        self._allocated: dict[str, tuple[Any, frozenset[str]]] = {}
-        """Per worker, its heartbeat's allocated task ids (`fleet_view.allocated_ids`)."""
+        self._allocated: dict[str, tuple[Any, frozenset[str]]] = {}  # `allocated_ids`
         self._jobs: LRU[tuple[str, str, str], PendingJob | None] = LRU(20_000)
         """Parsed waiting jobs by (task id, admitted at, priority) (`job`)."""
         self._starts: dict[str, float | None] = {}
