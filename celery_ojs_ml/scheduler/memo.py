@@ -4,12 +4,13 @@ worker states derived from the fleet's (`derived`).
 Key decision: all are keyed so a lookup is cheap on the next pass over the same
 fleet: a worker's capabilities object by identity (the registry hands the same
 object back while the advertisement is unchanged), the "ever" answer by
-(requirement class, capability key). Both are bounded and simply cleared when full.
+(requirement class, capability key). Both are bounded and simply cleared when full;
+derived states are kept from the last pass only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import MatchResult, match
@@ -40,18 +41,19 @@ class Memo:
         return key
 
     def derived(
-        self, state: WorkerState, make: Callable[[WorkerState], WorkerState]
-    ) -> WorkerState:
-        """`make(state)`, made once per worker state object (the leader hands the same one
-        back while the worker is unchanged), as `caps_key` does for capabilities."""
-        hit = self._derived.get(id(state))
-        if hit is not None and hit[0] is state:
-            return hit[1]
-        if len(self._derived) >= MEMO_MAX:
-            self._derived.clear()
-        made = make(state)
-        self._derived[id(state)] = (state, made)  # holds state, so its id is not reused
-        return made
+        self, fleet: Sequence[WorkerState], make: Callable[[WorkerState], WorkerState]
+    ) -> list[WorkerState]:
+        """`make` of each worker state, made once per state object (the leader hands the
+        same one back while the worker is unchanged). Only the last call's are kept, so a
+        changed worker's old state is let go."""
+        old, kept, out = self._derived, {}, []
+        for state in fleet:
+            hit = old.get(id(state))
+            made = hit[1] if hit is not None and hit[0] is state else make(state)
+            kept[id(state)] = (state, made)  # holds state, so its id is not reused
+            out.append(made)
+        self._derived = kept
+        return out
 
     def ever(self, job: PendingJob, caps_key: str, caps: Capabilities) -> MatchResult:
         """`match` with no free capacity: NEVER means this class can never run there."""

@@ -86,7 +86,7 @@ def open_queues(fleet: Sequence[WorkerState], memo: Memo | None = None) -> list[
     worker is unchanged)."""
     if memo is None:
         return [_opened(w) for w in fleet]
-    return [memo.derived(w, _opened) for w in fleet]
+    return memo.derived(fleet, _opened)
 
 
 def _opened(w: WorkerState) -> WorkerState:

@@ -181,4 +181,5 @@ def test_workers_opened_to_reservations_are_made_once_per_worker_state() -> None
     again = open_queues([fleet[0], worker("b")], memo)
     assert again[0] is first[0], "unchanged: kept"
     assert again[1] is not first[1] and again[1] == first[1], "a new state: made again"
+    assert len(memo._derived) == 2, "only the last call's are kept"
     assert open_queues(fleet) == first
