@@ -122,9 +122,9 @@ class Prefetch:
         self.ahead_notes: dict[str, Note] = {}
         """The annotation last written for each job delivered ahead."""
         self.turnover: dict[str, tuple[frozenset[str], float]] = {}
+        """Per worker: its running jobs as the last pass saw them, and when one last ended."""
         self.kept = AheadKept()
         """Per worker, its shown jobs, `room` entry and running ids, kept while unchanged."""
-        """Per worker: its running jobs as the last pass saw them, and when one last ended."""
 
     def send_ahead(self, state: PassState) -> None:
         """Deliver the jobs planned next on busy workers ahead of capacity (see the class
