@@ -143,11 +143,15 @@ def test_a_mixed_batch_on_two_gpu_workers_respects_capacity_placement_and_pinnin
         running_now = [o for o in at_start if o["end"] > r["start"]]
         assert sum(len(o["devices"]) for o in running_now) <= CAPACITY[r["worker"]]
 
-    # Invariant 3: no job waited > 2 s while an eligible worker had enough GPUs free.
+    # Invariant 3: no job waited > 3 s while an eligible worker had enough GPUs free.
+    # The stretch runs from publish to the task body, so it holds a pass (at least every
+    # 0.5 s), the gate and, after a CUDA child retires, a fresh child's start: 2.01 s was
+    # seen with the whole suite on two busy cores. A job held while its GPUs sit free
+    # waits for the rest of the batch, which takes about 5.5 s (30 jobs on 3 GPUs).
     for r in gpu:
         kind, sent = published[r["tag"]]
         waited = _longest_wait_while_free(gpu, r, KINDS[kind], sent)
-        assert waited <= 2.0, (r["tag"], waited)
+        assert waited <= 3.0, (r["tag"], waited)
 
     # Invariant 6: plain tasks are untouched.
     plain_records = [r for r in records if r["tag"] == "plain"]
