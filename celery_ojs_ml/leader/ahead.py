@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ from .budget_holds import BudgetHold
 
 Note = tuple[str, float | None, str | None]
 
+UNSEEN_START = math.inf
+"""`RunningJob.started_at` of a job only a heartbeat shows (`shown_on`): not started yet
+on the scheduler clock, so it is never old enough to preempt and frees nothing."""
 _MOVED_S = 0.5
 """A start estimate of a job delivered ahead is written again when it moved more."""
 
@@ -148,17 +152,20 @@ def shown_on(w: WorkerState, snap: Mapping[str, Any]) -> list[RunningJob]:
 
 
 def _allocated(a: Mapping[str, Any]) -> RunningJob | None:
-    """A heartbeat's allocation (`Allocation.as_dict`) as a running job; None if unnamed."""
+    """A heartbeat's allocation (`Allocation.as_dict`) as a running job; None if unnamed.
+
+    The allocation's `started_at` is on the worker's monotonic clock, which the leader
+    cannot read as its own: the job starts at `UNSEEN_START` instead, so no rule that
+    reads its age takes it for an old one (it has run for milliseconds: it has no lease)."""
     task_id, band, devices = a.get("task_id"), a.get("band"), a.get("devices")
     if not isinstance(task_id, str) or not isinstance(devices, list):
         return None
     known = band in BANDS
     gpus = 0 if a.get("gpu_milli") else len(devices)
-    started = a.get("started_at")
     return RunningJob(
         task_id,
         str(band) if known else BANDS[-1],
-        float(started) if isinstance(started, int | float) else 0.0,
+        UNSEEN_START,
         gpus=gpus,
         preemptible=a.get("preemptible") is not False or not known,
     )

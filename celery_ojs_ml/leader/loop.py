@@ -74,6 +74,7 @@ def _policy(s: Any) -> Policy:
         weights=found.weights,
         fair_share_half_life_s=found.fair_share_half_life_s,
         estimate_depth=found.estimate_depth,
+        drain_defer_s=found.drain_defer_s,
     )
 
 

@@ -8,13 +8,16 @@ nowhere now); **reserve** the worker where it can start soonest, for the first
 `reservation_depth` jobs that get this far (Slurm's reservation plus backfill);
 **estimate** its start for everyone else (a shadow reservation backfill ignores).
 A gang is one job at its first rank's place, all ranks or none (`scheduler.gang`).
-With `Policy.queue_depth` a pass decides only the first that many jobs, with exactly
-the decisions of a full pass; the rest wait for a deeper one. The pass keeps nothing;
+A long job whose start now would hold a large worker from draining is decided after
+the pass's other jobs (`scheduler.defer`). With `Policy.queue_depth` a pass decides
+only the first that many jobs, with the decisions of a full pass over those alone; the
+rest wait for a deeper one. The pass keeps nothing;
 `Planner` is the same pass one job at a time (for callers that stop early or time it).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -22,11 +25,11 @@ from dataclasses import replace
 from celery_ojs_ml.allocator.model import rank
 from celery_ojs_ml.scheduler.annotate import Annotator
 from celery_ojs_ml.scheduler.budget import BudgetBook
+from celery_ojs_ml.scheduler.defer import Deferrals
 from celery_ojs_ml.scheduler.escalate import escalate_all
 from celery_ojs_ml.scheduler.estimate import Estimator
 from celery_ojs_ml.scheduler.fair import holdings, pass_order
 from celery_ojs_ml.scheduler.fleet import FleetView
-from celery_ojs_ml.scheduler.frag import Kind, kind_of
 from celery_ojs_ml.scheduler.gang import Gang, place_now, ready_gangs, start_at
 from celery_ojs_ml.scheduler.memo import Memo, names_worker
 from celery_ojs_ml.scheduler.model import (
@@ -50,7 +53,7 @@ from celery_ojs_ml.scheduler.pools import (
     with_pools,
 )
 from celery_ojs_ml.scheduler.preempt import Preemptor, inflight_preemptions
-from celery_ojs_ml.scheduler.score import PlacementScore, Workload, gpus_by_model
+from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.settle import settling
 from celery_ojs_ml.scheduler.slot import Hold, HoldKind, Slot, running_vec
 from celery_ojs_ml.scheduler.vectors import sum_of
@@ -128,7 +131,8 @@ class Planner:
         self.budgets = BudgetBook(dict(policy.budgets), [*holdings(fleet), *inflight])
         alike = _by_requirements(pending)
         exact = any(names_worker(job.req) for job, _ in alike)
-        self.view = FleetView(fleet, now, policy, _workload(fleet, alike), memo=memo, exact=exact)
+        workload = Workload.of_pass(fleet, alike)
+        self.view = FleetView(fleet, now, policy, workload, memo=memo, exact=exact)
         self.estimator = Estimator(self.view)
         self.preemptor = Preemptor(self.view)
         young = replace(policy, min_runtime_before_preemption_s=0.0)
@@ -136,6 +140,7 @@ class Planner:
         self._later_at: dict[tuple[str, str, str, str], float | None] = {}
         self._placeables: dict[tuple[str, str], bool] = {}
         self._inflight = inflight_preemptions(self.view.slots)
+        self.deferrals = Deferrals(self.view, now, policy.drain_defer_s)
         self._settles, self._lowest = settling(policy, alike, self._inflight, self.view.slots)
         self._open = (-1, True)  # (assignments made when last checked, a GPU free then)
         self._assignments: list[Assignment] = []
@@ -164,13 +169,20 @@ class Planner:
             return
         found = self.view.fit_now(ask)
         if found is not None:
-            self._assign(ask, *found)
+            if not self.deferrals.defers(ask, found[0]):
+                self._assign(ask, *found)
         elif not self._placeable(job):
             self._unplaceable(ask)
         elif job.task_id.startswith(PREFIX) or not (  # a reservation never preempts (§8.3)
             self._await_victims(ask) or self._preempt(ask)
         ):
             self._reserve_or_estimate(ask)
+
+    def finish(self) -> None:
+        """Decide the jobs deferred so far (`scheduler.defer`), in fleet order, once the
+        pass's other jobs are decided (`decision` does it first)."""
+        for job in self.deferrals.take():
+            self.decide(job)
 
     def decide_gang(self, gang: Gang) -> None:
         """Start every rank of `gang` now, or reserve (or estimate) when all can start
@@ -306,9 +318,9 @@ class Planner:
             plan = self._later.plan(ask)
             age = self.policy.min_runtime_before_preemption_s
             aged = None if plan is None else max(v.started_at + age for v in plan.victims)
-            self._later_at[key] = (
-                None if aged is None else max(aged, self.now) + self.policy.preemption_grace_s
-            )
+            if aged is not None and aged < math.inf:  # a victim's start may be unknown
+                aged = max(aged, self.now) + self.policy.preemption_grace_s
+            self._later_at[key] = aged if aged is None or aged < math.inf else None
         return self._later_at[key]
 
     def _reserve(self, ask: Ask, found: tuple[float, Slot] | None) -> None:
@@ -335,6 +347,7 @@ class Planner:
 
     def decision(self) -> Decision:
         """What the pass decided, with every waiting job annotated."""
+        self.finish()
         annotator = Annotator(self.view)
         annotations: dict[str, Annotation] = {}
         denials: list[Denial] = []
@@ -369,17 +382,6 @@ def _by_requirements(pending: Sequence[PendingJob]) -> list[tuple[PendingJob, in
     counts = Counter(id(j.req) for j in pending)
     first = {id(j.req): j for j in pending}
     return [(first[key], n) for key, n in counts.items()]
-
-
-def _workload(fleet: Sequence[WorkerState], alike: list[tuple[PendingJob, int]]) -> Workload:
-    """The pass's mix of kinds of job and of worker sizes, for placement scores."""
-    kinds: Counter[Kind] = Counter()
-    for job, n in alike:
-        kinds[kind_of(job)] += n
-    sizes = {w.caps.gpu_count for w in fleet}
-    return Workload.of_counts(
-        kinds, max(sizes, default=0), sizes, gpus_by_model(w.caps for w in fleet)
-    )
 
 
 def _gpus(job: PendingJob) -> int:

@@ -246,6 +246,10 @@ class Policy:
     `t_estimate` None, as Slurm's backfill tests only `bf_max_job_test` jobs. Estimates
     never bind backfill, so this changes no assignment, reservation or preemption; it
     bounds the pass's cost with a long backlog. None: every job."""
+    drain_defer_s: float = 3600.0
+    """A job with a time limit whose best start now would make a large worker drain 4 h
+    or more later is decided after the pass's other jobs (`scheduler.defer`) until it has
+    waited this long, s; 0: never."""
     queue_depth: int | None = None
     """Decide only the first this many waiting jobs in (fair) order; None: all of them.
     The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""
@@ -266,6 +270,7 @@ class Policy:
             "deny_unsatisfiable",
             "fair_share_half_life_s",
             "estimate_depth",
+            "drain_defer_s",
         )
         found: dict[str, Any] = {n: getattr(settings, n) for n in names if hasattr(settings, n)}
         policies = getattr(settings, "queue_policies", None) or {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +21,14 @@ from celery_ojs_ml.allocator.sharing import FULL, after
 from celery_ojs_ml.capabilities import Capabilities
 from celery_ojs_ml.matching import NO_HINTS, FreeCapacity, Hints
 from celery_ojs_ml.matching import score as soft_score
-from celery_ojs_ml.scheduler.frag import Kind, Mix, by_access, growth, with_sizes
-from celery_ojs_ml.scheduler.model import DEFAULT_POLICY, GpuAffinity, Policy
+from celery_ojs_ml.scheduler.frag import Kind, Mix, by_access, growth, kind_of, with_sizes
+from celery_ojs_ml.scheduler.model import (
+    DEFAULT_POLICY,
+    GpuAffinity,
+    PendingJob,
+    Policy,
+    WorkerState,
+)
 from celery_ojs_ml.scheduler.vectors import INF, Vec, demand_of, from_free, totals_of
 from celery_ojs_ml.spec.resources import MLRequirements
 
@@ -72,6 +78,19 @@ class Workload:
         points than FGD's one-GPU scale let best fit break fewer, closer ties.
         """
         return cls.of_counts(Counter(kinds), largest, sizes, models)
+
+    @classmethod
+    def of_pass(
+        cls, fleet: Sequence[WorkerState], alike: Iterable[tuple[PendingJob, int]]
+    ) -> Workload:
+        """A pass's mix: each kind of job pending (with how many jobs share one
+        requirements object) and the fleet's worker sizes."""
+        kinds: Counter[Kind] = Counter()
+        for job, n in alike:
+            kinds[kind_of(job)] += n
+        sizes = {w.caps.gpu_count for w in fleet}
+        models = gpus_by_model(w.caps for w in fleet)
+        return cls.of_counts(kinds, max(sizes, default=0), sizes, models)
 
     @classmethod
     def of_counts(

@@ -24,7 +24,14 @@ from celery_ojs_ml.leader.loop import batches
 from celery_ojs_ml.leader.notes import Notes
 from celery_ojs_ml.leader.pass_state import PassState
 from celery_ojs_ml.leader.prefetch import Batched, Prefetch
-from celery_ojs_ml.scheduler import Decision, PendingJob, Policy, Reservation, WorkerState
+from celery_ojs_ml.scheduler import (
+    Decision,
+    PendingJob,
+    Policy,
+    Reservation,
+    WorkerState,
+    schedule,
+)
 from celery_ojs_ml.scheduler.model import Assignment
 from celery_ojs_ml.spec.normalize import normalize
 from celery_ojs_ml.testing.builders import worker_with
@@ -99,6 +106,25 @@ def test_a_job_its_heartbeat_shows_without_a_lease_counts_as_running_for_room() 
     assert [r.task_id for r in shown["w"]] == ["a"]
     below, frees = room(fleet, left, shown=shown)["w"]
     assert frees == 1 and below > rank("reserved"), "nothing preemptible runs there"
+
+
+def test_a_job_only_a_heartbeat_shows_is_never_taken_for_an_old_one() -> None:
+    """The heartbeat's `started_at` is on the worker's monotonic clock (seconds since
+    boot, a small number): read as the scheduler's epoch clock it would make a job that
+    started milliseconds ago look days old, old enough to preempt at once (§8.2's
+    minimum run time). Planned on, the shown spot job is young and is not preempted."""
+    fleet = [WorkerState.of("w", worker_with(gpus=1))]
+    shown = shown_running(fleet, _live(("s", "spot", [0]), preemptible=True, started_at=12.5))
+    (job,) = shown["w"]
+    now = 1_700_000_000.0
+    assert job.started_at > now, "not started yet on the scheduler clock"
+    busy = [dataclasses.replace(fleet[0], running=(job,), free=_busy().free)]
+    decision = schedule([_job("r", now, band="reserved")], busy, now, Policy())
+    assert decision.preemptions == () and decision.assignments == ()
+    assert decision.annotations["r"].t_estimate is None, "no start known: no estimate"
+    old = dataclasses.replace(job, started_at=now - 3600)  # the same job, seen an hour ago
+    aged = [dataclasses.replace(busy[0], running=(old,))]
+    assert schedule([_job("r", now, band="reserved")], aged, now, Policy()).preemptions
 
 
 def test_a_preemptible_or_unnamed_band_in_a_heartbeat_lowers_the_rank_a_job_may_have() -> None:
