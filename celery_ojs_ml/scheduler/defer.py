@@ -5,7 +5,8 @@ mode"): in a busy fleet, long one-GPU jobs take whatever GPU frees first, so ove
 hours every large worker ends up holding one of them and no large job can start for
 a day, while small workers sit free. A job with a time limit whose best start now
 would make a large worker drain `DEFER_STEPS` or more hours later
-(`timefit.delay_steps`) is therefore decided after the pass's other jobs: a job behind
+(`timefit.delay_steps`), on which it would leave some GPUs to others, is therefore
+decided after the pass's other jobs: a job behind
 it that does not hold the worker so long takes the place first. What is left then is
 its own, by the usual rules, so a deferral never leaves a GPU idle that the job could
 use; and a job defers only until it has waited `Policy.drain_defer_s`.
@@ -40,6 +41,7 @@ class Deferrals:
             or ask.end is None
             or self.now - job.submitted_at >= self.wait_s
             or not large(slot.state.caps.gpu_count, self.view.workload.largest)
+            or ask.want[0] >= slot.capacity[0]  # it takes every GPU: it leaves no fragment
             or delay_steps(slot.drain_at(), self.now, ask.end) < DEFER_STEPS
         ):
             return False

@@ -57,6 +57,16 @@ def test_a_delay_under_the_threshold_or_a_small_worker_defers_nothing() -> None:
     assert _started([_long(), _short()], [full, small]) == ["long@w-small"]
 
 
+def test_a_job_that_takes_every_gpu_of_its_worker_is_not_deferred() -> None:
+    """It leaves no GPUs for others to fragment: on a fleet of 1-GPU workers, or a whole
+    8-GPU worker, order decides as it would without deferral."""
+    ones = [worker("w1", "nvidia-l4x1")]
+    assert _started([_long(), _short()], ones) == ["long@w1"]
+    whole = job("whole", at=NOW - 60, limit=DAY, gpu_count=8)
+    behind = job("behind", at=NOW - 30, limit=HOUR / 2, gpu_count=8)
+    assert _started([whole, behind], [worker("w8", "nvidia-a100x8")]) == ["whole@w8"]
+
+
 def test_deferred_jobs_keep_their_order_among_themselves() -> None:
     fleet = [_large(), worker("w-idle", "nvidia-a100x8")]
     first = job("first", at=NOW - 90, limit=DAY, gpu_count=1)
