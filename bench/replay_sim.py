@@ -414,8 +414,9 @@ def _running(sim: Sim, w: Worker) -> list[RunningJob]:
 
 
 def strict(core: Core) -> Callable[[Sim], None]:
-    """Strict priority, no backfill: only the head of fleet order may start, never preempts."""
-    policy = Policy(preemption=False, reservation_depth=0)
+    """Strict priority, no backfill: only the head of fleet order may start (never deferred,
+    `scheduler.defer`), never preempts."""
+    policy = Policy(preemption=False, reservation_depth=0, drain_defer_s=0.0)
 
     def dispatch(sim: Sim) -> None:
         while sim.waiting:

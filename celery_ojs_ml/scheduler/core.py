@@ -167,7 +167,7 @@ class Planner:
         if job.not_before > self.now:  # sitting out a back-off: its place, not a start
             self._reserve_or_estimate(ask)
             return
-        found = self.view.fit_now(ask)
+        found = self.view.fit_now(ask, self.deferrals.second_turn)
         if found is not None:
             if not self.deferrals.defers(ask, found[0]):
                 self._assign(ask, *found)

@@ -8,8 +8,10 @@ would make a large worker drain `DEFER_STEPS` or more hours later
 (`timefit.delay_steps`), on which it would leave some GPUs to others, is therefore
 decided after the pass's other jobs: a job behind
 it that does not hold the worker so long takes the place first. What is left then is
-its own, by the usual rules, so a deferral never leaves a GPU idle that the job could
-use; and a job defers only until it has waited `Policy.drain_defer_s`.
+its own, by the usual rules but one: a free place in any group that holds no large
+worker's drain ranks first, before the score (`timefit.offer_in_time`'s `spare`). So a
+deferral never leaves a GPU idle that the job could use; and a job defers only until
+it has waited `Policy.drain_defer_s`.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.model import PendingJob
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.slot import Slot
-from celery_ojs_ml.scheduler.timefit import delay_steps, large
+from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, large
 
-DEFER_STEPS = 4
+DEFER_STEPS = HOLD_STEPS
 """Hours (`timefit.DELAY_STEP_S` steps) of a large worker's drain a start must hold to be
 deferred (2-8 gave equal idle figures on the replay's seeds)."""
 
@@ -47,6 +49,11 @@ class Deferrals:
             return False
         self._jobs.append(job)
         return True
+
+    @property
+    def second_turn(self) -> bool:
+        """Whether the deferred jobs are being decided (`take` was called)."""
+        return self._jobs is None
 
     def take(self) -> list[PendingJob]:
         """The deferred jobs, once; no job defers after this."""

@@ -160,7 +160,7 @@ class FleetView:
             )
         return hit
 
-    def fit_now(self, ask: Ask) -> tuple[Slot, PlacementScore] | None:
+    def fit_now(self, ask: Ask, spare: bool = False) -> tuple[Slot, PlacementScore] | None:
         """The best worker where the job may start now, by placement score; None if none.
 
         A worker with a free pool process comes first: on one whose processes are all
@@ -177,16 +177,16 @@ class FleetView:
         largest = self.workload.largest
         timed = [g for g in eligible if ask.end is not None and large(g.caps.gpu_count, largest)]
         for group in timed:
-            offer_in_time(ties, self._places(kid, ask, group))
+            offer_in_time(ties, self._places(kid, ask, group), spare)
         for group in eligible:
             top, items = self._best_buckets.of(kid, ask, group)
             if top is not None and group not in timed:
-                ties.offer_all(plain(top), items)
+                ties.offer_all(plain(top, spare), items)
         for group in eligible:
             for i in () if group in timed else group.reserved:
                 slot = self.slots[i]
                 score = None if slot.closed else self._fit_score(kid, ask, group, slot.shape())
-                key = plain((slot.free[4] >= 1, 0.0 if score is None else score.total))
+                key = plain((slot.free[4] >= 1, 0.0 if score is None else score.total), spare)
                 if score is not None and not ties.below(key) and self.may_backfill(ask, slot):
                     ties.offer(key, (group, slot.shape(), {}, score, slot))
         found = self._best_tied(ties, ask.end)

@@ -248,8 +248,8 @@ class Policy:
     bounds the pass's cost with a long backlog. None: every job."""
     drain_defer_s: float = 3600.0
     """A job with a time limit whose best start now would make a large worker drain 4 h
-    or more later is decided after the pass's other jobs (`scheduler.defer`) until it has
-    waited this long, s; 0: never."""
+    or more later is decided after the pass's other jobs, then preferring a place that
+    holds no drain (`scheduler.defer`), until it has waited this long, s; 0: never."""
     queue_depth: int | None = None
     """Decide only the first this many waiting jobs in (fair) order; None: all of them.
     The live leader sets it (`ojs_ml_queue_depth`) on passes between full ones."""

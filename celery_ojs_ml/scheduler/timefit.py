@@ -26,6 +26,10 @@ T = TypeVar("T")
 DELAY_STEP_S = 3600.0
 """A start that delays a large worker's drain ranks below every start in its group that
 delays one by fewer steps of this many seconds (1,800-7,200 s gave equal idle figures)."""
+HOLD_STEPS = 4
+"""A start that delays a large worker's drain by this many steps or more holds it: such a
+job is deferred (`scheduler.defer`), and at its second turn a place in any group that
+holds no drain ranks first (`offer_in_time`'s `spare`; 2-8 gave equal idle figures)."""
 
 
 def large(gpu_count: int | None, largest: int) -> bool:
@@ -40,18 +44,23 @@ def delay_steps(drain_at: float, now: float, end: float) -> int:
     return math.ceil(late / DELAY_STEP_S) if late > 0 else 0
 
 
-def offer_in_time(ties: Ties[RankKey, T], places: Sequence[tuple[Key, int, T]]) -> None:
+def offer_in_time(
+    ties: Ties[RankKey, T], places: Sequence[tuple[Key, int, T]], spare: bool = False
+) -> None:
     """Offer a group's places, each `(own key, delay steps, candidate)`: keyed by the
-    group's best own key, then the fewest steps, then the place's own key."""
+    group's best own key, then the fewest steps, then the place's own key. With `spare`
+    (a deferred job's second turn), by whether the place holds a drain (`HOLD_STEPS`),
+    then its own key, across groups."""
     if places:
         best = max(own for own, _, _ in places)
         for own, late, item in places:
-            ties.offer((*best, -late, *own), item)
+            held = late >= HOLD_STEPS
+            ties.offer((own[0], -float(held), 0, *own) if spare else (*best, -late, *own), item)
 
 
-def plain(key: Key) -> RankKey:
+def plain(key: Key, spare: bool = False) -> RankKey:
     """The ranking key of a place ranked by its own key alone (no delay counted)."""
-    return (*key, 0, *key)
+    return (key[0], 0.0, 0, *key) if spare else (*key, 0, *key)
 
 
 def aligned(slot: Slot, end: float | None) -> float:

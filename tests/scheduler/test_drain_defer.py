@@ -67,6 +67,16 @@ def test_a_job_that_takes_every_gpu_of_its_worker_is_not_deferred() -> None:
     assert _started([whole, behind], [worker("w8", "nvidia-a100x8")]) == ["whole@w8"]
 
 
+def test_at_its_second_turn_a_deferred_job_takes_a_place_that_holds_no_drain() -> None:
+    """Filling the large worker's last GPU scores higher than opening a small worker, so
+    the long job's first choice holds the large worker; with nothing behind it to take
+    that place, its second turn goes to the small worker, which no large job drains."""
+    small = worker("w-small", "nvidia-a100x2")
+    assert decide([_short()], [_large(), small]).assignments[0].worker == "w-large"
+    assert _started([_long()], [_large(), small]) == ["long@w-small"]
+    assert _started([_long()], [_large(), small], drain_defer_s=0.0) == ["long@w-large"]
+
+
 def test_deferred_jobs_keep_their_order_among_themselves() -> None:
     fleet = [_large(), worker("w-idle", "nvidia-a100x8")]
     first = job("first", at=NOW - 90, limit=DAY, gpu_count=1)

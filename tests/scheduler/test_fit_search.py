@@ -19,7 +19,7 @@ from celery_ojs_ml.scheduler.model import Policy
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, Slot
-from celery_ojs_ml.scheduler.timefit import delay_steps, large
+from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, large
 from celery_ojs_ml.scheduler.vectors import covers
 from tests.scheduler.helpers import NOW, decide, decision_facts, job, running, worker
 
@@ -58,8 +58,12 @@ def _random_pass(seed: int) -> tuple[list[PendingJob], list[WorkerState]]:
     return pending, fleet
 
 
-def _every_candidate(view: FleetView, ask: Ask) -> tuple[Slot, PlacementScore] | None:
-    """The search ranking every bucket's pick and every reserved worker afresh."""
+def _every_candidate(
+    view: FleetView, ask: Ask, spare: bool = False
+) -> tuple[Slot, PlacementScore] | None:
+    """The search ranking every bucket's pick and every reserved worker afresh; with
+    `spare` (a deferred job's second turn), a place that holds a large worker's drain
+    ranks below every one that holds none, across groups, before the score."""
     if view.nofit.known(ask):
         return None
     best: tuple[object, ...] | None = None
@@ -88,7 +92,8 @@ def _every_candidate(view: FleetView, ask: Ask) -> tuple[Slot, PlacementScore] |
         top = max((own for own, _, _, _ in ranked), default=None)
         for own, late, slot, score in ranked:
             group_key = top if timed and top is not None else own
-            rank = (*group_key, -late, *own, aligned(slot, ask.end), not slot.reserved, -slot.idx)
+            lead = (own[0], -float(late >= HOLD_STEPS), 0) if spare else (*group_key, -late)
+            rank = (*lead, *own, aligned(slot, ask.end), not slot.reserved, -slot.idx)
             if best is None or rank > best:
                 best, found = rank, (slot, score)
     if found is None:
