@@ -318,9 +318,10 @@ class Planner:
             plan = self._later.plan(ask)
             age = self.policy.min_runtime_before_preemption_s
             aged = None if plan is None else max(v.started_at + age for v in plan.victims)
-            if aged is not None and aged < math.inf:  # a victim's start may be unknown
-                aged = max(aged, self.now) + self.policy.preemption_grace_s
-            self._later_at[key] = aged if aged is None or aged < math.inf else None
+            if aged is None or aged == math.inf:  # no plan, or a victim's start is unknown
+                self._later_at[key] = None
+            else:
+                self._later_at[key] = max(aged, self.now) + self.policy.preemption_grace_s
         return self._later_at[key]
 
     def _reserve(self, ask: Ask, found: tuple[float, Slot] | None) -> None:

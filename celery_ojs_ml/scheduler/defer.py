@@ -4,14 +4,13 @@ Key decision (measured on the trace replay, docs/performance.md "Trace replay, t
 mode"): in a busy fleet, long one-GPU jobs take whatever GPU frees first, so over a few
 hours every large worker ends up holding one of them and no large job can start for
 a day, while small workers sit free. A job with a time limit whose best start now
-would make a large worker drain `DEFER_STEPS` or more hours later
+would make a large worker drain `timefit.HOLD_STEPS` or more hours later
 (`timefit.delay_steps`), on which it would leave some GPUs to others, is therefore
-decided after the pass's other jobs: a job behind
-it that does not hold the worker so long takes the place first. What is left then is
-its own, by the usual rules but one: a free place in any group that holds no large
-worker's drain ranks first, before the score (`timefit.offer_in_time`'s `spare`). So a
-deferral never leaves a GPU idle that the job could use; and a job defers only until
-it has waited `Policy.drain_defer_s`.
+decided after the pass's other jobs: a job behind it that does not hold the worker so
+long takes the place first. What is left then is its own, by the usual rules but one:
+a free place in any group that holds no large worker's drain ranks first, before the
+score (`timefit.offer_in_time`'s `spare`). So a deferral never leaves a GPU idle that
+the job could use; and a job defers only until it has waited `Policy.drain_defer_s`.
 """
 
 from __future__ import annotations
@@ -21,10 +20,6 @@ from celery_ojs_ml.scheduler.model import PendingJob
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.slot import Slot
 from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, large
-
-DEFER_STEPS = HOLD_STEPS
-"""Hours (`timefit.DELAY_STEP_S` steps) of a large worker's drain a start must hold to be
-deferred (2-8 gave equal idle figures on the replay's seeds)."""
 
 
 class Deferrals:
@@ -44,7 +39,7 @@ class Deferrals:
             or self.now - job.submitted_at >= self.wait_s
             or not large(slot.state.caps.gpu_count, self.view.workload.largest)
             or ask.want[0] >= slot.capacity[0]  # it takes every GPU: it leaves no fragment
-            or delay_steps(slot.drain_at(), self.now, ask.end) < DEFER_STEPS
+            or delay_steps(slot.drain_at(), self.now, ask.end) < HOLD_STEPS
         ):
             return False
         self._jobs.append(job)

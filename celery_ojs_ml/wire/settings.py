@@ -135,8 +135,8 @@ class OJSMLSettings(BaseModel):
     (Slurm's bf_max_job_test); the rest wait with `t_estimate` unknown."""
     drain_defer_s: float = Field(default=3600.0, ge=0, le=86_400.0)
     """A job with a time limit whose start now would keep a large worker from draining
-    4 h or more longer is decided after the other jobs of a pass, until it has waited
-    this long (`scheduler.defer`); 0: never."""
+    4 h or more longer is decided after the other jobs of a pass, then preferring a place
+    that holds no drain, until it has waited this long (`scheduler.defer`); 0: never."""
     queue_depth: int = Field(default=100, ge=1, le=1_000_000)
     """How many waiting jobs, first in fleet (or fair) order, a pass decides between full
     passes (Slurm's default_queue_depth); the rest wait for the next full pass."""

@@ -6,8 +6,7 @@ place first, and what is left is the deferred job's by the usual rules."""
 from __future__ import annotations
 
 from celery_ojs_ml.scheduler import PendingJob, WorkerState
-from celery_ojs_ml.scheduler.defer import DEFER_STEPS
-from celery_ojs_ml.scheduler.timefit import DELAY_STEP_S
+from celery_ojs_ml.scheduler.timefit import DELAY_STEP_S, HOLD_STEPS
 from tests.scheduler.helpers import NOW, decide, job, running, worker
 
 HOUR = 3600.0
@@ -50,7 +49,7 @@ def test_a_job_that_waited_drain_defer_s_is_not_deferred_again() -> None:
 
 
 def test_a_delay_under_the_threshold_or_a_small_worker_defers_nothing() -> None:
-    under = (DEFER_STEPS - 1) * DELAY_STEP_S
+    under = (HOLD_STEPS - 1) * DELAY_STEP_S
     assert _started([_long(), _short()], [_large(drain_in=DAY - under)]) == ["long@w-large"]
     small = worker("w-small", "nvidia-a100x2", [running("s", limit=DAY, gpu_count=1)])
     full = worker("w-big", "nvidia-a100x8", [running("b", limit=DAY, gpu_count=8)])
