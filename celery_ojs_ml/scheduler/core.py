@@ -284,7 +284,8 @@ class Planner:
 
     def _reserve_or_estimate(self, ask: Ask) -> None:
         firm = self._reserved < self.policy.reservation_depth
-        found = self.estimator.exact(ask) if firm else self._estimate(ask)
+        preempts = not ask.job.task_id.startswith(PREFIX)  # a reservation never does
+        found = self.estimator.exact(ask, preempts) if firm else self._estimate(ask)
         preemptible_at = self._preemptible_at(ask)  # before its own hold makes the worker taken
         if firm:
             self._reserved += 1

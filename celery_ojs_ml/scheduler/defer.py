@@ -19,7 +19,7 @@ from celery_ojs_ml.scheduler.fleet import FleetView
 from celery_ojs_ml.scheduler.model import PendingJob
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.slot import Slot
-from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, large
+from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, large, late_on
 
 
 class Deferrals:
@@ -39,7 +39,7 @@ class Deferrals:
             or self.now - job.submitted_at >= self.wait_s
             or not large(slot.state.caps.gpu_count, self.view.workload.largest)
             or ask.want[0] >= slot.capacity[0]  # it takes every GPU: it leaves no fragment
-            or delay_steps(slot.drain_at(), self.now, ask.end) < HOLD_STEPS
+            or late_on(ask, self.view.policy, slot, self.now) < HOLD_STEPS  # or a spot job
         ):
             return False
         self._jobs.append(job)

@@ -54,16 +54,30 @@ class Estimator:
         """When the job could start on `slot` and run its whole time limit (inf: unknown)."""
         return slot.timeline().earliest(self.need(ask, slot), ask.job.time_limit_s)
 
-    def exact(self, ask: Ask) -> tuple[float, Slot] | None:
-        """The true soonest start over every eligible worker (for reservations)."""
+    def exact(self, ask: Ask, preempts: bool = True) -> tuple[float, Slot] | None:
+        """The true soonest start over every eligible worker (for reservations); for a
+        job that `preempts` when it can, by preemption too (`by_preemption`)."""
         best: tuple[float, int, Slot] | None = None
         for group in self.view.eligible(ask.job):
             for i in group.members:
                 slot = self.view.slots[i]
                 t = self.earliest(ask, slot)
+                t = min(t, self.by_preemption(ask, slot)) if preempts else t
                 if t < math.inf and (best is None or (t, i) < best[:2]):
                     best = (t, i, slot)
         return None if best is None else (best[0], best[2])
+
+    def by_preemption(self, ask: Ask, slot: Slot) -> float:
+        """When a job above spot could start on `slot` by preempting its preemptible spot
+        jobs: from when it may preempt enough of them (`Slot.timeline`'s `preempting`),
+        the grace period later (inf: never, or the job is spot). As a worker's drain
+        leaves such jobs out (`Slot.drain_at`), a reservation goes where the job will
+        start by preemption, not behind work it would not wait for."""
+        if ask.job.band == "spot" or not self.view.policy.preemption:
+            return math.inf
+        grace, limit = self.view.policy.preemption_grace_s, ask.job.time_limit_s
+        run = None if limit is None else limit + grace
+        return slot.timeline(True).earliest(self.need(ask, slot), run) + grace
 
     def soonest(self, ask: Ask) -> tuple[float, Slot] | None:
         """A soon start for a start estimate, and where; None when none is known.

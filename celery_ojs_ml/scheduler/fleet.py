@@ -38,7 +38,7 @@ from celery_ojs_ml.scheduler.nofit import NoFit
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload, placement
 from celery_ojs_ml.scheduler.slot import Hold, Shape, Slot
-from celery_ojs_ml.scheduler.timefit import aligned, delay_steps, large, offer_in_time, plain
+from celery_ojs_ml.scheduler.timefit import aligned, large, late_on, offer_in_time, plain
 from celery_ojs_ml.scheduler.vectors import (
     Vec,
     clip,
@@ -223,7 +223,7 @@ class FleetView:
         out: list[tuple[Key, int, Candidate]] = []
         for shape, members in group.buckets.items():
             if (score := self._fit_score(kid, ask, group, shape)) is not None:
-                late = delay_steps(self._pick(group, shape, members, end).drain_at(), self.now, end)
+                late = late_on(ask, self.policy, self._pick(group, shape, members, end), self.now)
                 out.append(
                     ((shape[0][4] >= 1, score.total), late, (group, shape, members, score, None))
                 )
@@ -231,7 +231,7 @@ class FleetView:
             slot = self.slots[i]
             score = None if slot.closed else self._fit_score(kid, ask, group, slot.shape())
             if score is not None and self.may_backfill(ask, slot):
-                late, place = delay_steps(slot.drain_at(), self.now, end), (group, slot.shape())
+                late, place = late_on(ask, self.policy, slot, self.now), (group, slot.shape())
                 out.append(((slot.free[4] >= 1, score.total), late, (*place, {}, score, slot)))
         return out
 
@@ -319,7 +319,7 @@ class FleetView:
         taken = self.taken(ask, slot)
         milli = share_milli(ask.job.req, self.groups[slot.group].caps)
         slot.take_devices(int(taken[0]) if milli is None else 0, milli)
-        slot.take(taken, ask.end, ask.job.labels, whole=ask.dedicated)
+        slot.take(taken, ask.end, ask.job.labels, whole=ask.dedicated, yields=ask.yields_drain)
         self._rebucket(slot)
 
     def claim(self, ask: Ask, slot: Slot, freed: Vec) -> bool:
@@ -346,7 +346,7 @@ class FleetView:
             ):
                 return False
         self._unbucket(slot)
-        slot.take(share, end, ask.job.labels, whole=ask.dedicated)
+        slot.take(share, end, ask.job.labels, whole=ask.dedicated, yields=ask.yields_drain)
         slot.hold(Hold(ask.job.task_id, ask.order, start, end, minus(want, share), "preempt"))
         self._rebucket(slot)
         return True

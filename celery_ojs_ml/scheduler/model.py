@@ -150,6 +150,13 @@ class RunningJob:
         """The counted resources it holds."""
         return Demand(self.gpus, self.cpu_cores, self.memory_gb, self.tpu_chips)
 
+    @property
+    def yields_drain(self) -> bool:
+        """Whether a larger job of a higher band could preempt it at any time (a
+        preemptible spot job, not exempt by `preemption_policy: never`), so it never keeps
+        its worker from draining for one (`scheduler.slot.Slot.drain_at`)."""
+        return self.preemptible and self.band == "spot" and self.preemption_policy != "never"
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerState:

@@ -58,6 +58,12 @@ class Ask:
         """Whether it takes a whole worker (`gpu_affinity: dedicated`)."""
         return self.job.gpu_affinity == "dedicated"
 
+    @property
+    def yields_drain(self) -> bool:
+        """Whether, once running, it is a preemptible spot job (§8.2; `RunningJob.yields_drain`:
+        `preemption_policy: never`, read from the running job's headers, counts from then)."""
+        return self.job.band == "spot" and self.job.req.ext_ml_preemptible is not False
+
 
 class Asks:
     """`Ask.of` for one pass, deriving what depends on the requirements alone once per

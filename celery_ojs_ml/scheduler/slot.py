@@ -71,6 +71,7 @@ class Slot:
         "_drain",
         "_firm",
         "_held_whole",
+        "_preempting",
         "_shape",
         "_timeline",
         "added_labels",
@@ -81,17 +82,20 @@ class Slot:
         "gpu_free",
         "grace_s",
         "group",
+        "held_ends",
         "holds",
         "idle",
         "idx",
         "labels",
         "linked",
+        "min_age_s",
         "now",
         "overdue_s",
         "state",
         "version",
         "victims",
         "whole",
+        "yielding",
     )
 
     def __init__(self, idx: int, state: WorkerState, now: float, policy: Policy) -> None:
@@ -100,6 +104,8 @@ class Slot:
         self.now = now
         self.overdue_s = policy.overdue_s
         self.grace_s = policy.preemption_grace_s
+        self.min_age_s = policy.min_runtime_before_preemption_s
+        self.yielding = policy.preemption  # preemptible spot jobs hold no drain
         self.group = -1
         self.free = from_free(state.free)
         self.gpu_free = state.gpu_free_milli
@@ -111,6 +117,7 @@ class Slot:
         # What an exclusive (dedicated) running job gives back: the whole worker.
         self.whole = minus(self.capacity, finite(self.free))
         self.assigned: list[tuple[Vec, float | None]] = []
+        self.held_ends: list[float | None] = []  # of the assigned jobs that hold the drain
         self.holds: list[Hold] = []
         self.victims: dict[str, RunningJob] = {
             r.task_id: r for r in state.running if r.preempted_for is not None
@@ -118,6 +125,7 @@ class Slot:
         self.exclusive = False
         self.version = 0
         self._timeline: Timeline | None = None
+        self._preempting: Timeline | None = None
         self._shape: Shape | None = None
         self._drain: float | None = None
         self._firm = 0  # reservations among `holds`
@@ -156,9 +164,16 @@ class Slot:
         return self._shape
 
     def take(
-        self, amount: Vec, end: float | None, labels: Mapping[str, str], *, whole: bool = False
+        self,
+        amount: Vec,
+        end: float | None,
+        labels: Mapping[str, str],
+        *,
+        whole: bool = False,
+        yields: bool = False,
     ) -> None:
-        """Start a job using `amount` now until `end` (None: unknown); `whole`: dedicated."""
+        """Start a job using `amount` now until `end` (None: unknown); `whole`: dedicated;
+        `yields`: a preemptible spot job, which holds no drain (`drain_at`)."""
         self.exclusive = self.exclusive or whole
         self.free = minus(self.free, amount)
         if self.linked is not None and self.free[0] != INF:  # conservative: the gate may
@@ -169,6 +184,8 @@ class Slot:
             self.added_labels.append(labels)
         self.idle = False
         self.assigned.append((amount, end))
+        if not (yields and self.yielding):
+            self.held_ends.append(end)
         self._changed()
 
     def take_devices(self, gpus: int, milli: int | None) -> bool:
@@ -202,20 +219,32 @@ class Slot:
         firm = [h for h in self.holds if h.kind == "reserve"]
         return min(firm, key=lambda h: h.order).task_id if firm else None
 
-    def timeline(self) -> Timeline:
-        """The step function of free capacity, rebuilt after any change."""
-        if self._timeline is None:
-            self._timeline = self._build()
-        return self._timeline
+    def timeline(self, preempting: bool = False) -> Timeline:
+        """The step function of free capacity, rebuilt after any change. `preempting`: as
+        a job above spot sees it, which may preempt: each preemptible spot job
+        (`RunningJob.yields_drain`) is gone once it may be preempted (with preemption on;
+        `Estimator.exact` adds the grace period)."""
+        if not (preempting and self.yielding):
+            if self._timeline is None:
+                self._timeline = self._build(False)
+            return self._timeline
+        if self._preempting is None:
+            self._preempting = self._build(True)
+        return self._preempting
 
     def drain_at(self) -> float:
-        """When every job on it (running or assigned this pass) will have ended.
+        """When a large job of a higher band could start on it: when every job on it
+        (running or assigned this pass) but those it could preempt will have ended.
 
-        `now` for an idle worker; infinity when one of them has no time limit.
+        `now` for an idle worker; infinity when one of them has no time limit. With
+        preemption on, a preemptible spot job (`RunningJob.yields_drain`) is left out:
+        it is preempted for such a job rather than waited for (docs/scheduling.md).
         """
         if self._drain is None:
-            ends = [self._end_of(r) for r in self.state.running]
-            ends += [end for _, end in self.assigned]
+            running = self.state.running
+            held = [r for r in running if not r.yields_drain] if self.yielding else running
+            ends = [self._end_of(r) for r in held]
+            ends += self.held_ends
             self._drain = max((math.inf if e is None else e for e in ends), default=self.now)
         return self._drain
 
@@ -231,13 +260,17 @@ class Slot:
     def _changed(self) -> None:
         self.version += 1
         self._timeline = None
+        self._preempting = None
         self._shape = None
         self._drain = None
 
-    def _build(self) -> Timeline:
+    def _build(self, preempting: bool) -> Timeline:
         tl = Timeline(self.now, self.free)
         for r in self.state.running:
             end = self._end_of(r)  # past its limit: expected to end shortly
+            if preempting and r.yields_drain:
+                gone = max(self.now, r.started_at + self.min_age_s)
+                end = gone if end is None else min(end, gone)
             if end is not None:
                 tl.add(end, self._release_of(r))
         for amount, end in self.assigned:

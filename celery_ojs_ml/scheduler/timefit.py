@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 from celery_ojs_ml.scheduler.candidates import Key, RankKey, Ties
+from celery_ojs_ml.scheduler.model import Policy
+from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.slot import Slot
 
 T = TypeVar("T")
@@ -37,11 +39,24 @@ def large(gpu_count: int | None, largest: int) -> bool:
     return 2 * (gpu_count or 0) >= max(largest, 2)
 
 
+def holds_drain(ask: Ask, policy: Policy) -> bool:
+    """Whether the job, once started, keeps a worker from draining: one with a time limit,
+    unless it is a preemptible spot job and preemption is on (`Slot.drain_at`)."""
+    return ask.end is not None and not (policy.preemption and ask.yields_drain)
+
+
 def delay_steps(drain_at: float, now: float, end: float) -> int:
     """Steps of `DELAY_STEP_S`, rounded up, by which a job ending at `end` makes a worker
     that drains at `drain_at` (its running jobs' last end) drain later."""
     late = end - max(drain_at, now)
     return math.ceil(late / DELAY_STEP_S) if late > 0 else 0
+
+
+def late_on(ask: Ask, policy: Policy, slot: Slot, now: float) -> int:
+    """`delay_steps` of the job started now on `slot`; 0 for one that holds no drain."""
+    if ask.end is None or not holds_drain(ask, policy):
+        return 0
+    return delay_steps(slot.drain_at(), now, ask.end)
 
 
 def offer_in_time(

@@ -136,6 +136,9 @@ def reservations_hold(p: Pass) -> None:
     Jobs started this pass count until their time limit ends (none: for ever),
     running jobs until theirs, victims until their grace period ends, jobs
     preempting until theirs, and reservations ahead on the same worker while active.
+    A preemptible spot job counts, for a holder above spot, only until the holder may
+    preempt it (its minimum runtime, then the grace period): it is reserved where it
+    will start by preemption (docs/scheduling.md, "What holds a drain").
     """
     for r in p.decision.reservations:
         if r.start is None:
@@ -162,11 +165,19 @@ def _capacity(w: WorkerState) -> Vec:
 def _used_at(p: Pass, w: WorkerState, at: float, holder: str, capacity: Vec) -> Vec:
     gone_at = p.now + p.policy.preemption_grace_s
     leaving = p.leaving(w)
+    preempts = p.policy.preemption and p.jobs[holder].band != "spot"
     used = ZERO
     for x in w.running:
         end = x.ends_at if x.ends_at is None or x.ends_at > p.now else p.now + p.policy.overdue_s
         if x.task_id in leaving:
             end = gone_at if end is None else min(end, gone_at)
+        if preempts and x.yields_drain:
+            aged = max(p.now, x.started_at + p.policy.min_runtime_before_preemption_s)
+            end = (
+                aged + p.policy.preemption_grace_s
+                if end is None
+                else min(end, aged + p.policy.preemption_grace_s)
+            )
         if end is None or end > at:
             used = plus(used, capacity if x.exclusive else running_vec(x))
     for job in p.on[w.name]:

@@ -19,7 +19,7 @@ from celery_ojs_ml.scheduler.model import Policy
 from celery_ojs_ml.scheduler.order import Ask
 from celery_ojs_ml.scheduler.score import PlacementScore, Workload
 from celery_ojs_ml.scheduler.slot import Hold, Slot
-from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, large
+from celery_ojs_ml.scheduler.timefit import HOLD_STEPS, delay_steps, holds_drain, large
 from celery_ojs_ml.scheduler.vectors import covers
 from tests.scheduler.helpers import NOW, decide, decision_facts, job, running, worker
 
@@ -87,7 +87,8 @@ def _every_candidate(
         ranked = []
         for slot in places:
             score = view.score(ask, group, slot.shape())
-            late = delay_steps(slot.drain_at(), view.now, ask.end) if ask.end and timed else 0
+            held = ask.end and timed and holds_drain(ask, view.policy)  # not a spot job
+            late = delay_steps(slot.drain_at(), view.now, ask.end) if ask.end and held else 0
             ranked.append(((slot.free[4] >= 1, score.total), late, slot, score))
         top = max((own for own, _, _, _ in ranked), default=None)
         for own, late, slot, score in ranked:

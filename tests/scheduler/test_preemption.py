@@ -153,8 +153,9 @@ def test_a_victim_younger_than_the_minimum_runtime_is_not_preempted_until_it_age
     pending = [job("res", gpu_count=8, priority_class="reserved", limit=600)]
     decision = decide(pending, fleet)
     assert decision.preemptions == ()
-    assert decision.reservations == (Reservation("res", "w8", NOW + 570),)
-    # It may preempt once the victim is 60 s old, then the victim has its grace period.
+    # It may preempt once the victim is 60 s old, then the victim has its grace period:
+    # it is reserved from then, not from the victim's end (NOW + 570).
+    assert decision.reservations == (Reservation("res", "w8", NOW + 30 + 30),)
     assert decision.annotations["res"].t_estimate == NOW + 30 + 30
     assert decide(pending, fleet, now=NOW + 30).preemptions == (
         Preemption("res", "w8", ("young",)),
