@@ -223,8 +223,8 @@ class Slot:
         """The step function of free capacity, rebuilt after any change. `preempting`: as
         a job above spot sees it, which may preempt: each preemptible spot job
         (`RunningJob.yields_drain`) is gone once it may be preempted (with preemption on;
-        `Estimator.exact` adds the grace period)."""
-        if not (preempting and self.yielding):
+        `Estimator.exact` adds the grace period). A worker with no such job has one."""
+        if not (preempting and self.yielding and any(r.yields_drain for r in self.state.running)):
             if self._timeline is None:
                 self._timeline = self._build(False)
             return self._timeline
